@@ -1,0 +1,23 @@
+"""torchkv: compressed KV caches for Hugging Face causal language models, in PyTorch."""
+
+from torchkv import methods  # noqa: F401  (registers the presets)
+from torchkv.models import load_model, new_cache, patch, patched, pipeline_of, unpatch
+from torchkv.pipeline import DEFAULT_PRESET, BitsPerValue, KVPipeline, presets
+from torchkv.registry import register_preset, register_transform
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "BitsPerValue",
+    "KVPipeline",
+    "load_model",
+    "new_cache",
+    "patch",
+    "patched",
+    "pipeline_of",
+    "presets",
+    "register_preset",
+    "register_transform",
+    "unpatch",
+]

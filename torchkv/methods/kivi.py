@@ -1,0 +1,42 @@
+"""KIVI (Liu et al., 2024): keys quantized per channel, values per token, recent tokens in full precision.
+
+Also the `fp16` reference preset: the whole cache stored in half precision, nothing else.
+"""
+
+import torchkv.transforms as T
+from torchkv.pipeline import KVPipeline
+from torchkv.registry import register_preset
+
+
+def kivi(bits: int, group: int = 32, residual: int = 128, sinks: int = 0) -> KVPipeline:
+    """Keys: asymmetric per-channel groups of `group` tokens; values: per-token groups of `group` channels."""
+    return KVPipeline(
+        keys=[T.quantize(bits=bits, axis="channel", group=group), T.pack()],
+        values=[T.quantize(bits=bits, axis="token", group=group), T.pack()],
+        residual=residual,
+        sinks=sinks,
+    )
+
+
+@register_preset("kivi-2bit", description="KIVI 2-bit: per-channel keys, per-token values, fp window", nominal_bits=2.0)
+def kivi_2bit(group: int = 32, residual: int = 128, sinks: int = 0) -> KVPipeline:
+    return kivi(2, group, residual, sinks)
+
+
+@register_preset("kivi-4bit", description="KIVI 4-bit: per-channel keys, per-token values, fp window", nominal_bits=4.0)
+def kivi_4bit(group: int = 32, residual: int = 128, sinks: int = 0) -> KVPipeline:
+    return kivi(4, group, residual, sinks)
+
+
+@register_preset("kivi-8bit", description="KIVI 8-bit: per-channel keys, per-token values, fp window", nominal_bits=8.0)
+def kivi_8bit(group: int = 32, residual: int = 128, sinks: int = 0) -> KVPipeline:
+    return kivi(8, group, residual, sinks)
+
+
+@register_preset("fp16", description="No compression: the whole cache stored in float16 (reference)", nominal_bits=16.0)
+def fp16() -> KVPipeline:
+    return KVPipeline(
+        keys=[T.quantize("cast", dtype="float16")],
+        values=[T.quantize("cast", dtype="float16")],
+        residual=0,
+    )

@@ -1,0 +1,7 @@
+"""The Hugging Face side: patch/unpatch, the compressed Cache, the attention function, architectures."""
+
+from torchkv.models.cache import TorchKVCache, TorchKVLayer
+from torchkv.models.loader import load_model
+from torchkv.models.patch import new_cache, patch, patched, pipeline_of, unpatch
+
+__all__ = ["TorchKVCache", "TorchKVLayer", "load_model", "new_cache", "patch", "patched", "pipeline_of", "unpatch"]

@@ -1,0 +1,97 @@
+"""Per-architecture facts, keyed by `config.model_type`: where the attention modules and the rotary
+embedding live. Method code never branches on the model family; it asks here."""
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchkv.store import RopeFn
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Where a decoder-only model keeps its parts (dotted attribute paths from the CausalLM)."""
+
+    layers: str = "model.layers"
+    attention: str = "self_attn"
+    rotary: str = "model.rotary_emb"
+
+
+#: model types whose attention follows the v5 contract (`past_key_values.update` then
+#: `AttentionInterface`) and whose RoPE uses the rotate-half convention.
+ARCHITECTURES: dict[str, Arch] = {
+    "llama": Arch(),
+    "mistral": Arch(),
+    "qwen2": Arch(),
+    "qwen3": Arch(),
+    "gemma2": Arch(),
+    "gemma3_text": Arch(),
+    "phi3": Arch(),
+}
+
+
+def _get(obj: object, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def arch_of(model: nn.Module) -> Arch:
+    """The architecture entry of `model`, or a clear error naming what is supported."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        raise TypeError(
+            f"torchkv.patch needs a Hugging Face causal LM (a PreTrainedModel with generate()), "
+            f"got {type(model).__name__}"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{type(model).__name__} is an encoder-decoder model; torchkv supports decoder-only LMs")
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise NotImplementedError(
+            f"model type '{model_type}' ({type(model).__name__}) is not supported by torchkv; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}. A new decoder-only family whose attention "
+            "calls past_key_values.update and AttentionInterface needs one entry in torchkv/models/arch.py"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention module of every decoder layer, in layer order."""
+    arch = arch_of(model)
+    try:
+        layers = _get(model, arch.layers)
+        modules = [_get(layer, arch.attention) for layer in layers]
+    except AttributeError as err:
+        raise NotImplementedError(
+            f"{type(model).__name__} has no '{arch.layers}[i].{arch.attention}'; it cannot be hooked by torchkv"
+        ) from err
+    if not modules or any(not hasattr(m, "layer_idx") for m in modules):
+        raise NotImplementedError(f"{type(model).__name__}: attention modules without layer_idx have no KV cache path")
+    return modules
+
+
+def rope_fn(model: nn.Module, layer_idx: int) -> RopeFn:
+    """positions [B, T] -> (cos, sin) [B, T, R] with the model's own rotary embedding for that layer."""
+    rotary = _get(model, arch_of(model).rotary)
+    config = model.config.get_text_config(decoder=True)
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    layer_type = config.layer_types[layer_idx] if per_type else None
+    dtype = next(model.parameters()).dtype
+
+    def rope(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(0, dtype=dtype, device=positions.device)
+        if per_type:
+            return rotary(probe, positions, layer_type)
+        return rotary(probe, positions)
+
+    return rope
+
+
+def sliding_layers(model: nn.Module) -> list[bool]:
+    """Whether each layer attends through a sliding window (from `config.layer_types`)."""
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [t == "sliding_attention" for t in types]

@@ -1,0 +1,143 @@
+"""The attention function and mask function torchkv registers with transformers.
+
+The mask function does not build a mask: it returns a `MaskSpec` (the model's mask rule plus the
+padding mask and query offset), from which the attention function builds a FlexAttention `BlockMask`
+for prefill or a small dense mask for decode, over the absolute positions of the cached tokens.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
+
+ATTENTION_NAME = "torchkv"
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The attention mask of one forward pass, in absolute token positions.
+
+    Attributes:
+        rule: transformers' mask function `(b, h, q_pos, kv_pos) -> bool` (causal, sliding, ...).
+        padding: [B, kv_length] bool, False at padding, or None when nothing is padded.
+        q_offset: absolute position index of the first query.
+    """
+
+    rule: Callable
+    padding: torch.Tensor | None
+    q_offset: int
+
+    def dense(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+        """[B or 1, 1, Q, N] bool, by broadcasting the rule over index grids."""
+        q = torch.arange(self.q_offset, self.q_offset + q_len, device=device)[None, None, :, None]
+        kv = torch.arange(kv_len, device=device)[None, None, None, :]
+        batch = 1 if self.padding is None else self.padding.shape[0]
+        b = torch.arange(batch, device=device)[:, None, None, None]
+        allowed = self.rule(b, torch.zeros_like(b), q, kv)
+        if self.padding is not None:
+            allowed = allowed & self.padding[:, None, None, :kv_len]
+        return allowed.expand(batch, 1, q_len, kv_len)
+
+    def mask_mod(self, device: torch.device) -> Callable:
+        """A FlexAttention mask_mod over (query index, absolute kv index)."""
+        offset = torch.tensor(self.q_offset, device=device)  # a tensor, so new offsets do not recompile
+        rule, padding = self.rule, self.padding
+
+        if padding is None:
+
+            def cached_causal(b, h, q_idx, kv_idx):
+                return rule(b, h, q_idx + offset, kv_idx)
+
+            return cached_causal
+
+        def cached_causal_padded(b, h, q_idx, kv_idx):
+            return rule(b, h, q_idx + offset, kv_idx) & padding[b, kv_idx]
+
+        return cached_causal_padded
+
+    def valid(self, start: int, end: int) -> torch.Tensor | None:
+        """[B, end - start] bool validity of the tokens at positions [start, end), or None."""
+        return None if self.padding is None else self.padding[:, start:end]
+
+
+def torchkv_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> MaskSpec:
+    """The function registered with `AttentionMaskInterface`: returns the mask's description."""
+    if kv_offset:
+        raise ValueError("torchkv caches keep every token; a non-zero kv_offset means a foreign cache layer")
+    padding = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padding = torch.nn.functional.pad(attention_mask, (0, max(0, kv_length - attention_mask.shape[-1])))
+    return MaskSpec(mask_function, padding, int(q_offset))
+
+
+def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | None):
+    """Attention of `query` [B, Hq, Q, D] over `keys`/`values` [B, H, N, D] (the last Q are the queries' own)."""
+    q_len, kv_len = query.shape[2], keys.shape[2]
+    if q_len == 1:
+        mask = spec.dense(q_len, kv_len, query.device)
+        return attend_dense(query, keys, values, mask, scaling, softcap)[0]
+    batch = None if spec.padding is None else spec.padding.shape[0]
+    block_mask = block_mask_from(spec.mask_mod(query.device), batch, q_len, kv_len, query.device)
+    return flex_prefill(query, keys, values, block_mask, scaling, softcap, dynamic=spec.padding is None)
+
+
+def torchkv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask: MaskSpec | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered with `AttentionInterface`.
+
+    `key`/`value` are the `TorchKVLayer` handles returned by the cache (or plain tensors when the
+    model runs without a torchkv cache). New tokens attend to themselves in full precision and to the
+    compressed history; they are committed to the store afterwards.
+    """
+    from torchkv.models.cache import TorchKVLayer
+
+    if module.training and dropout:
+        raise NotImplementedError("torchkv attention is for inference; call model.eval() or unpatch for training")
+    if not isinstance(attention_mask, MaskSpec):
+        raise TypeError("torchkv attention needs the torchkv mask function; the model was not patched correctly")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if not isinstance(key, TorchKVLayer):
+        out = _attend(query, key, value, attention_mask, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
+
+    layer = key
+    k_new, v_new = layer.pending
+    store = layer.store
+    if store.length:
+        k_old, v_old = store.history()
+        keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
+    else:
+        keys, values = k_new, v_new
+    out = _attend(query, keys, values, attention_mask, scaling, softcap)
+    start = store.length
+    valid = attention_mask.valid(start, start + k_new.shape[2])
+    layer.commit(valid, kwargs.get("position_ids"), {"queries": query})
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make the 'torchkv' attention and mask functions known to transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, torchkv_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, torchkv_mask)

@@ -1,0 +1,149 @@
+"""patch / unpatch: the only entry points that touch a model.
+
+`patch` selects the 'torchkv' attention implementation and adds one forward pre-hook on the model
+that hands it a `TorchKVCache` whenever it would otherwise build a fresh `DynamicCache`
+(`forward(use_cache=True)` and `generate`). `unpatch` removes both.
+"""
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from torchkv.models import arch
+from torchkv.models.attention import ATTENTION_NAME, register
+from torchkv.models.cache import TorchKVCache
+from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
+
+
+@dataclass
+class _Patch:
+    pipeline: KVPipeline
+    previous_attention: str
+    hook: RemovableHandle
+
+
+_PATCHES: "weakref.WeakKeyDictionary[nn.Module, _Patch]" = weakref.WeakKeyDictionary()
+
+
+def resolve_pipeline(pipeline: "KVPipeline | str | Path | None") -> KVPipeline:
+    """A pipeline from a `KVPipeline`, a preset name, a `save_pretrained` folder, or None (the default preset)."""
+    if pipeline is None:
+        return KVPipeline.from_preset(DEFAULT_PRESET)
+    if isinstance(pipeline, KVPipeline):
+        return pipeline
+    if isinstance(pipeline, (str, Path)):
+        if (Path(pipeline) / CONFIG_FILE).is_file():
+            return KVPipeline.from_pretrained(pipeline)
+        return KVPipeline.from_preset(str(pipeline))
+    raise TypeError(
+        f"expected a KVPipeline, a preset name or a saved pipeline folder, got {type(pipeline).__name__}"
+    )
+
+
+def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
+    config = model.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    if any(arch.sliding_layers(model)) and window is not None and window <= pipeline.residual + pipeline.chunk:
+        raise ValueError(
+            f"the model's sliding window ({window} tokens) is not longer than the pipeline's full-precision "
+            f"window (residual {pipeline.residual} + chunk {pipeline.chunk}): its sliding layers would never read "
+            f"a compressed token. Use a smaller residual, e.g. KVPipeline.from_preset(name, residual={window // 4})"
+        )
+
+
+def new_cache(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None) -> TorchKVCache:
+    """An empty compressed cache for `model` (the patched pipeline by default), to pass as `past_key_values`."""
+    if pipeline is None and model in _PATCHES:
+        pipe = _PATCHES[model].pipeline
+    else:
+        pipe = resolve_pipeline(pipeline)
+    config = model.config.get_text_config(decoder=True)
+    rope = None
+    if {"cos", "sin"} & pipe.requires:
+
+        def rope(layer_idx: int):
+            return arch.rope_fn(model, layer_idx)
+
+    return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model))
+
+
+def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: put a torchkv cache where the model would create a DynamicCache."""
+    cache = kwargs.get("past_key_values")
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = model.config.get_text_config(decoder=True).use_cache
+    if isinstance(cache, TorchKVCache) or (cache is None and not use_cache):
+        return None
+    if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
+        kwargs["past_key_values"] = new_cache(model)
+        return args, kwargs
+    if isinstance(cache, Cache):
+        raise ValueError(
+            f"a model patched by torchkv got a {type(cache).__name__} holding {cache.get_seq_length()} tokens; "
+            "pass past_key_values=torchkv.new_cache(model) (or nothing), or torchkv.unpatch(model) first"
+        )
+    return None
+
+
+def patch(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None) -> nn.Module:
+    """Make `model` use a compressed KV cache in `forward(use_cache=True)` and `generate`.
+
+    Args:
+        model: a Hugging Face decoder-only causal LM (see `torchkv.models.arch.ARCHITECTURES`).
+        pipeline: a `KVPipeline`, a preset name, a folder written by `save_pretrained`, or None for
+            the default preset. Patching an already patched model replaces its pipeline.
+
+    Returns:
+        the same model object.
+    """
+    arch.attention_modules(model)  # raises a clear error for unsupported models
+    pipe = resolve_pipeline(pipeline)
+    _check_compatible(model, pipe)
+    if model in _PATCHES:
+        unpatch(model)
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise NotImplementedError(
+            f"{type(model).__name__} does not let its attention implementation be set; torchkv cannot patch it"
+        )
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: _use_torchkv_cache(model, module, args, kwargs), with_kwargs=True
+    )
+    _PATCHES[model] = _Patch(pipe, previous, hook)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo `patch`: the original attention implementation and no hook."""
+    if model not in _PATCHES:
+        raise ValueError(f"{type(model).__name__} is not patched by torchkv")
+    state = _PATCHES.pop(model)
+    state.hook.remove()
+    model.set_attn_implementation(state.previous_attention)
+    return model
+
+
+def pipeline_of(model: nn.Module) -> KVPipeline | None:
+    """The pipeline a model is patched with, or None."""
+    state = _PATCHES.get(model)
+    return None if state is None else state.pipeline
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None) -> Iterator[nn.Module]:
+    """`with torchkv.patched(model, "kivi-2bit"): model.generate(...)` — unpatched on exit."""
+    patch(model, pipeline)
+    try:
+        yield model
+    finally:
+        unpatch(model)

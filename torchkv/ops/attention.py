@@ -1,0 +1,87 @@
+"""Attention kernels over (reconstructed) caches: FlexAttention for prefill, a dense path for decode."""
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+
+def make_softcap_score_mod(cap: float) -> Callable:
+    """score_mod for logit soft-capping (Gemma 2): `cap · tanh(score / cap)`."""
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    softcap.__name__ = f"softcap_{cap:g}"
+    return softcap
+
+
+@functools.cache
+def _compiled_flex(dynamic: bool) -> Callable:
+    return torch.compile(flex_attention, dynamic=dynamic)
+
+
+def flex_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float,
+    softcap: float | None = None,
+    dynamic: bool = True,
+) -> torch.Tensor:
+    """Compiled FlexAttention with grouped-query heads.
+
+    Args:
+        q: [B, Hq, Q, D]. k, v: [B, H, N, D] with H dividing Hq.
+        block_mask: mask over (Q, N) built with `create_block_mask`.
+        dynamic: one graph for every length. Pass False for a mask_mod that indexes a captured
+            tensor by batch: the CPU template of torch 2.13 miscompiles that case with dynamic shapes.
+
+    Returns:
+        [B, Hq, Q, D], q's dtype.
+    """
+    score_mod = None if softcap is None else make_softcap_score_mod(softcap)
+    return _compiled_flex(dynamic)(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def block_mask_from(mask_mod: Callable, batch: int | None, q_len: int, kv_len: int, device) -> BlockMask:
+    """`create_block_mask` over one head (the mask is the same for every head)."""
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+
+
+def attend_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scale)·v with grouped-query heads, returning the probabilities too.
+
+    Args:
+        q: [B, Hq, Q, D]. k, v: [B, H, N, D] with Hq = g·H (query head j reads KV head j // g).
+        mask: [B or 1, 1, Q, N] bool (True = attend), or None.
+
+    Returns:
+        out: [B, Hq, Q, D], q's dtype.
+        probs: [B, H, g, Q, N] float32. Rows with no allowed key are all zero.
+    """
+    b, hq, nq, d = q.shape
+    h, n = k.shape[1], k.shape[2]
+    g = hq // h
+    qg = q.reshape(b, h, g * nq, d)  # [B, H, g·Q, D]
+    scores = (qg @ k.transpose(-1, -2)).float() * scale  # [B, H, g·Q, N]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.view(b, h, g, nq, n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], -math.inf)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = probs.to(v.dtype).view(b, h, g * nq, n) @ v  # [B, H, g·Q, D]
+    return out.view(b, hq, nq, d), probs

@@ -1,0 +1,134 @@
+"""Uniform affine quantization along one axis, in groups.
+
+The two KV layouts are groups along one axis of `x: [..., T, D]`:
+
+| layout     | `dim` | a group is                      | scale/zero shape   |
+|------------|-------|---------------------------------|--------------------|
+| per-token  | -1    | `group` channels of one token   | `[..., T, D/G]`    |
+| per-channel| -2    | `group` tokens of one channel   | `[..., T/G, D]`    |
+"""
+
+import torch
+
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def _check_quantize_args(x: torch.Tensor, bits: int, dim: int, group: int) -> int:
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not supported; allowed: {SUPPORTED_BITS}")
+    dim = dim % x.dim()
+    if group < 1 or x.shape[dim] % group:
+        raise ValueError(
+            f"group={group} must divide the size {x.shape[dim]} of axis {dim}; "
+            f"choose a divisor of {x.shape[dim]}"
+        )
+    return dim
+
+
+def _grouped(x: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    """[..., n, ...] -> [..., n/G, G, ...] along `dim`."""
+    return x.unflatten(dim, (x.shape[dim] // group, group))
+
+
+def _round_toward(x32: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
+    """Cast to `dtype`, rounding toward -inf (`down`) or +inf so the stored value brackets `x32`."""
+    y = x32.to(dtype)
+    if dtype == torch.float32:
+        return y
+    limit = torch.full_like(y, float("-inf") if down else float("inf"))
+    off = (y.float() > x32) if down else (y.float() < x32)
+    return torch.where(off, torch.nextafter(y, limit), y)
+
+
+def _masked_reduce(
+    xg: torch.Tensor, vg: torch.Tensor | None, dim: int, reduce, fill: float
+) -> torch.Tensor:
+    """`reduce` over `dim` of the valid elements; a group with none reduces to 0."""
+    if vg is None:
+        return reduce(xg, dim, keepdim=True)
+    out = reduce(torch.where(vg, xg, fill), dim, keepdim=True)
+    return torch.where(vg.any(dim, keepdim=True), out, torch.zeros_like(out))
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    dim: int,
+    group: int,
+    symmetric: bool = False,
+    meta_dtype: torch.dtype = torch.float16,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest uniform quantization of groups of `group` elements along `dim`.
+
+    Args:
+        x: [..., n, ...] float; `n = x.shape[dim]` must be a multiple of `group`.
+        bits: code width b, 1..8.
+        dim: the grouped axis (-1: per-token, -2: per-channel for `[..., T, D]`).
+        group: elements per group G.
+        symmetric: midrise levels `(c - (2^b-1)/2)·Δ` around 0, no zero point.
+        meta_dtype: dtype of the stored scale and zero point.
+        valid: bool, broadcastable to x; elements where False (padding) stay out of the group
+            statistics and are clamped into the group's range. A group with no valid element is all 0.
+
+    Returns:
+        codes: same shape as x, uint8 in [0, 2^b - 1].
+        scale: x's shape with n replaced by n/G, `meta_dtype` (the step Δ).
+        zero: like scale (the group minimum m), or None when symmetric.
+
+    Asymmetric (SQuat §2): `Δ = (M - m)/(2^b - 1)`, `c = round((x - m)/Δ)`, `x̂ = c·Δ + m`.
+    The stored m is rounded down and Δ up, so `|x̂ - x| ≤ Δ/2` holds with the stored values.
+    A zero-range group (Δ = 0) gets code 0 and is reconstructed exactly.
+    """
+    dim = _check_quantize_args(x, bits, dim, group)
+    qmax = 2**bits - 1
+    xg = _grouped(x.float(), dim, group)  # [..., n/G, G, ...]
+    vg = None if valid is None else _grouped(valid.expand(x.shape), dim, group)
+    if symmetric:
+        absmax = _masked_reduce(xg.abs(), vg, dim + 1, torch.amax, 0.0)
+        scale = _round_toward(absmax * (2.0 / qmax), meta_dtype, down=False)
+        step = scale.float()
+        scaled = torch.where(step > 0, xg / step, torch.zeros_like(xg)) + qmax / 2
+        zero = None
+    else:
+        lo = _masked_reduce(xg, vg, dim + 1, torch.amin, float("inf"))
+        hi = _masked_reduce(xg, vg, dim + 1, torch.amax, float("-inf"))
+        zero = _round_toward(lo, meta_dtype, down=True)
+        scale = _round_toward((hi - zero.float()) / qmax, meta_dtype, down=False)
+        step = scale.float()
+        scaled = torch.where(step > 0, (xg - zero.float()) / step, torch.zeros_like(xg))
+        zero = zero.squeeze(dim + 1)
+    codes = torch.round(scaled).clamp_(0, qmax)
+    codes = codes.to(torch.uint8).flatten(dim, dim + 1)
+    return codes, scale.squeeze(dim + 1), zero
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    dim: int,
+    group: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of `quantize`: `x̂ = c·Δ + m` (asymmetric) or `(c - (2^b-1)/2)·Δ` (symmetric).
+
+    Args:
+        codes: [..., n, ...] uint8.
+        scale: codes' shape with n replaced by n/G.
+        zero: like scale, or None for symmetric codes.
+
+    Returns:
+        x̂: codes' shape, `dtype`.
+    """
+    dim = dim % codes.dim()
+    c = _grouped(codes, dim, group).float()
+    step = scale.float().unsqueeze(dim + 1)
+    if zero is None:
+        x = (c - (2**bits - 1) / 2) * step
+    else:
+        x = c * step + zero.float().unsqueeze(dim + 1)
+    return x.flatten(dim, dim + 1).to(dtype)

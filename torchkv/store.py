@@ -1,0 +1,247 @@
+"""KVStore: one layer's compressed KV history (DESIGN §4).
+
+Tokens are held in absolute order: the first `sinks` tokens in full precision, then encoded chunks,
+then a full-precision residual window. New tokens enter the window; once it holds
+`residual + chunk` tokens, the oldest whole chunks are encoded. No full-precision copy of an
+encoded token is kept.
+"""
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from torchkv.pipeline import KVPipeline
+
+#: positions [B, T] -> (cos, sin) [B, T, R]: the model's rotary embedding of those positions.
+RopeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied if it is a view into a larger storage (which it would otherwise keep alive)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
+    return _owned(b) if a is None else torch.cat([a, b], dim)
+
+
+_HELD = ("sink_k", "sink_v", "res_k", "res_v", "res_valid", "positions")
+
+
+class KVStore:
+    """The cache of one layer.
+
+    Args:
+        pipeline: how chunks are encoded.
+        layer: the model layer index (selects per-layer fitted parameters).
+        rope: the model's rotary embedding, needed when a transform requires "cos"/"sin"
+            (the store then keeps every token's position id).
+    """
+
+    def __init__(self, pipeline: KVPipeline, layer: int = 0, rope: RopeFn | None = None):
+        self.pipeline, self.layer, self.rope = pipeline, layer, rope
+        self.tracks_positions = bool({"cos", "sin"} & pipeline.requires)
+        if self.tracks_positions and rope is None:
+            raise ValueError(f"pipeline '{pipeline.name}' stores pre-RoPE keys; the store needs the model's rope function")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every token (the pipeline and layer stay)."""
+        self.length = 0  # tokens held
+        self.n_encoded = 0  # tokens held in encoded chunks
+        self.n_residual = 0  # tokens held in the residual window
+        self.sink_k: torch.Tensor | None = None  # [B, H, S, D]
+        self.sink_v: torch.Tensor | None = None
+        self.encoded: dict[str, torch.Tensor] = {}  # chunk states concatenated along dim 2
+        self.prepared: dict[str, torch.Tensor] = {}  # per-sequence state from the prompt
+        self.res_k: torch.Tensor | None = None  # [B, H, residual + chunk, D] window buffer
+        self.res_v: torch.Tensor | None = None
+        self.res_valid: torch.Tensor | None = None  # [B, residual + chunk] bool
+        self.positions: torch.Tensor | None = None  # [B, length] position ids, when tracked
+
+    @property
+    def n_sinks(self) -> int:
+        return 0 if self.sink_k is None else self.sink_k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.res_k.shape[-1]
+
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, h, _, _ = k.shape
+        capacity = self.pipeline.residual + self.pipeline.chunk
+        self.res_k = k.new_zeros(b, h, capacity, k.shape[-1])
+        self.res_v = v.new_zeros(b, h, capacity, v.shape[-1])
+        self.res_valid = torch.zeros(b, capacity, dtype=torch.bool, device=k.device)
+
+    def _rope_inputs(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """cos/sin of the tokens held at indices [start, end), for transforms that require them."""
+        if not self.tracks_positions:
+            return {}
+        cos, sin = self.rope(self.positions[:, start:end])
+        return {"cos": cos, "sin": sin}
+
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Add tokens at the end of the sequence.
+
+        Args:
+            k, v: [B, H, T, D] in the model's dtype.
+            valid: [B, T] bool, False at padding (kept out of quantization statistics).
+            positions: [B or 1, T] position ids (default: their index in the sequence).
+            inputs: model-side tensors of these T tokens that `prepare` may read (e.g. "queries");
+                only the first call, the prompt, prepares.
+        """
+        pipe = self.pipeline
+        b, _, t, _ = k.shape
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
+        if self.tracks_positions:
+            if positions is None:
+                positions = torch.arange(self.length, self.length + t, device=k.device)[None]
+            self.positions = _cat(self.positions, positions.expand(b, t).long(), 1)
+        first = self.res_k is None
+        if first:
+            self._allocate(k, v)
+        self.length += t
+        if first and pipe.needs_prepare:
+            own = {**(inputs or {}), **self._rope_inputs(0, t)}
+            self.prepared = pipe.prepare(k, v, layer=self.layer, valid=valid, inputs=own)
+
+        take = min(pipe.sinks - self.n_sinks, t)
+        if take > 0:
+            self.sink_k = _cat(self.sink_k, k[:, :, :take], 2)
+            self.sink_v = _cat(self.sink_v, v[:, :, :take], 2)
+            k, v, valid = k[:, :, take:], v[:, :, take:], valid[:, take:]
+
+        n = self.n_residual
+        buf_k = torch.cat([self.res_k[:, :, :n], k], 2)  # [B, H, n + T', D]
+        buf_v = torch.cat([self.res_v[:, :, :n], v], 2)
+        buf_valid = torch.cat([self.res_valid[:, :n], valid], 1)
+        total = buf_k.shape[2]
+        flush = max(0, (total - pipe.residual) // pipe.chunk) * pipe.chunk
+        if flush:
+            start = self.n_sinks + self.n_encoded
+            state = pipe.encode_chunk(
+                buf_k[:, :, :flush],
+                buf_v[:, :, :flush],
+                layer=self.layer,
+                prepared=self.prepared,
+                valid=buf_valid[:, :flush],
+                inputs=self._rope_inputs(start, start + flush),
+            )
+            for name, tensor in state.items():
+                self.encoded[name] = _cat(self.encoded.get(name), tensor, 2)
+            self.n_encoded += flush
+        rest = total - flush
+        self.res_k[:, :, :rest] = buf_k[:, :, flush:]
+        self.res_v[:, :, :rest] = buf_v[:, :, flush:]
+        self.res_valid[:, :rest] = buf_valid[:, flush:]
+        self.n_residual = rest
+
+    def decode_encoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoded chunks reconstructed, `[B, H, n_encoded, D]` each in the cache dtype (transient)."""
+        start = self.n_sinks
+        k, v = self.pipeline.decode_chunk(
+            self.encoded,
+            head_dim=self.head_dim,
+            layer=self.layer,
+            prepared=self.prepared,
+            inputs=self._rope_inputs(start, start + self.n_encoded),
+        )
+        return k.to(self.res_k.dtype), v.to(self.res_v.dtype)
+
+    def history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token held, in order, reconstructed: `(k, v)` each `[B, H, length, D]` (transient)."""
+        ks, vs = [], []
+        if self.n_sinks:
+            ks.append(self.sink_k)
+            vs.append(self.sink_v)
+        if self.n_encoded:
+            k, v = self.decode_encoded()
+            ks.append(k)
+            vs.append(v)
+        ks.append(self.res_k[:, :, : self.n_residual])
+        vs.append(self.res_v[:, :, : self.n_residual])
+        return torch.cat(ks, 2), torch.cat(vs, 2)
+
+    # -- accounting ----------------------------------------------------------------------------------
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the store holds, by name."""
+        held = {f"encoded.{n}": t for n, t in self.encoded.items()}
+        held.update({f"prepared.{n}": t for n, t in self.prepared.items()})
+        for name in _HELD:
+            if getattr(self, name) is not None:
+                held[name] = getattr(self, name)
+        return held
+
+    def nbytes(self) -> int:
+        """Bytes of storage of every tensor held (allocated window capacity included)."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors().values())
+
+    def encoded_bits_per_value(self) -> float:
+        """Stored bits per encoded key or value, metadata included (sinks, window and prepared state excluded)."""
+        if not self.n_encoded:
+            return float("nan")
+        values = 2 * self.n_encoded * self.res_k.shape[0] * self.res_k.shape[1] * self.head_dim
+        return 8 * sum(t.numel() * t.element_size() for t in self.encoded.values()) / values
+
+    # -- batch and length edits ------------------------------------------------------------------------
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.encoded = {n: fn(t) for n, t in self.encoded.items()}
+        self.prepared = {n: fn(t) for n, t in self.prepared.items()}
+        for name in _HELD:
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Select batch rows (beam search): every tensor is indexed along dim 0."""
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens: int) -> None:
+        """Drop the last `tokens` tokens.
+
+        Within the residual window this is exact. Cropping into encoded chunks drops whole chunks and
+        moves the kept tokens of the last partly cropped chunk, reconstructed, back into the window.
+        """
+        if tokens <= 0 or self.length == 0:
+            return
+        tokens = min(tokens, self.length)
+        keep = self.length - tokens
+        if self.positions is not None:
+            self.positions = _owned(self.positions[:, :keep])
+        if tokens <= self.n_residual:
+            self.n_residual -= tokens
+            self.length = keep
+            return
+        keep_encoded = min(max(keep - self.n_sinks, 0), self.n_encoded)
+        chunk = self.pipeline.chunk
+        whole = keep_encoded // chunk * chunk
+        partial_k = partial_v = None
+        if keep_encoded > whole:
+            k, v = self.decode_encoded()
+            partial_k, partial_v = k[:, :, whole:keep_encoded], v[:, :, whole:keep_encoded]
+        # every state tensor has a fixed number of rows per encoded token along dim 2
+        self.encoded = {n: _owned(t[:, :, : t.shape[2] * whole // self.n_encoded]) for n, t in self.encoded.items()}
+        self.n_encoded = whole
+        if keep < self.n_sinks:
+            self.sink_k, self.sink_v = _owned(self.sink_k[:, :, :keep]), _owned(self.sink_v[:, :, :keep])
+        self.n_residual = 0
+        if partial_k is not None:
+            rest = partial_k.shape[2]
+            self.res_k[:, :, :rest] = partial_k
+            self.res_v[:, :, :rest] = partial_v
+            self.res_valid[:, :rest] = True
+            self.n_residual = rest
+        self.length = keep

@@ -1,0 +1,91 @@
+"""The transform contract shared by every kind (DESIGN §3).
+
+A transform maps a token chunk forward (`encode`) and back (`decode`). Inputs are `[B, H, T, F]`
+(batch, KV heads, tokens, features); every tensor of encoded state keeps the batch at dim 0 and a
+token-derived axis at dim 2 (T, or T/G for per-group metadata), so the cache stores a growing
+history by concatenating along dim 2 and reorders beams along dim 0.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a transform sees besides its input tensor.
+
+    Attributes:
+        dim: size F of the last axis of this transform's input (static per chain).
+        layer: model layer index, for per-layer fitted parameters.
+        prepared: per-sequence state this transform returned from `prepare`.
+        valid: [B, T] bool, False at padding positions (encode and prepare only).
+        inputs: model-side tensors a method asked for (e.g. "queries": [B, Hq, T, D]).
+    """
+
+    dim: int
+    layer: int = 0
+    prepared: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    valid: torch.Tensor | None = None
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformConfig:
+    """Base of every transform's frozen, keyword-only configuration."""
+
+
+class Transform:
+    """Base class: one registered step of a key or value chain.
+
+    Subclasses set `Config` (a frozen keyword-only dataclass) and implement `encode`/`decode`;
+    `prepare` (online, from the prompt) and fitted `params` (offline) are optional.
+    """
+
+    kind: ClassVar[str]
+    name: ClassVar[str]
+    Config: ClassVar[type[TransformConfig]] = TransformConfig
+    needs_prepare: ClassVar[bool] = False
+    needs_fit: ClassVar[bool] = False
+    #: tokens per chunk must be a multiple of this (e.g. a per-channel group along tokens).
+    token_multiple: ClassVar[int] = 1
+    #: names of `Context.inputs` this transform reads; the cache supplies them for the tokens at hand:
+    #: "cos"/"sin" ([B, T, R] rotary embedding), "queries" ([B, Hq, T, D], prompt only, at prepare).
+    requires: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, **config: Any):
+        fields = {f.name for f in dataclasses.fields(self.Config)}
+        unknown = sorted(set(config) - fields)
+        if unknown:
+            raise ValueError(
+                f"{self.kind}.{self.name} got unknown option(s) {unknown}; valid options: {sorted(fields)}"
+            )
+        self.config = self.Config(**config)
+        self.params: dict[str, torch.Tensor] = {}
+
+    def out_dim(self, dim: int) -> int:
+        """Size of the last axis of `encode`'s output for an input of size `dim`."""
+        return dim
+
+    def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
+        """Per-sequence state from the prompt's own tensors (batch at dim 0). Default: none."""
+        return {}
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`x: [B, H, T, F]` -> (output passed to the next transform, state to store)."""
+        raise NotImplementedError
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        """Inverse of `encode`: the next transform's decoded output and this one's state -> `[B, H, T, F]`."""
+        raise NotImplementedError
+
+    def spec(self) -> dict[str, Any]:
+        """JSON-serialisable description, what `save_pretrained` writes."""
+        return {"kind": self.kind, "name": self.name, "config": dataclasses.asdict(self.config)}
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.config).items())
+        return f"{self.kind}.{self.name}({options})"

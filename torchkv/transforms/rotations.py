@@ -1,0 +1,54 @@
+"""Rotate transforms: orthogonal maps of the feature axis."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from torchkv.ops import apply_rope, hadamard
+from torchkv.registry import register_transform
+from torchkv.transforms.base import Context, Transform, TransformConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class HadamardConfig(TransformConfig):
+    """block: Hadamard block size (power of two dividing F); None takes the largest one."""
+
+    block: int | None = None
+
+    def __post_init__(self):
+        if self.block is not None and (self.block < 1 or self.block & (self.block - 1)):
+            raise ValueError(f"rotate.hadamard block={self.block} must be a power of two")
+
+
+@register_transform("rotate", "hadamard")
+class HadamardRotate(Transform):
+    """Orthonormal (block) Walsh–Hadamard rotation of the features: `x -> x·H/√n`, self-inverse.
+
+    encode/decode: `[B, H, T, F]` float -> `[B, H, T, F]` float32.
+    """
+
+    Config = HadamardConfig
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return hadamard(x.float(), self.config.block), {}
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        return hadamard(y.float(), self.config.block)
+
+
+@register_transform("rotate", "pre_rope")
+class PreRope(Transform):
+    """Store keys before RoPE: encode undoes the rotary embedding, decode re-applies it at each token's
+    true position (SVDq, AQUA-KV and SQuat-pre quantize pre-RoPE keys).
+
+    encode/decode: `[B, H, T, D]` -> `[B, H, T, D]` float32, with `ctx.inputs` "cos"/"sin" `[B, T, R]`.
+    """
+
+    requires = frozenset({"cos", "sin"})
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return apply_rope(x, ctx.inputs["cos"], -ctx.inputs["sin"]), {}
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        return apply_rope(y, ctx.inputs["cos"], ctx.inputs["sin"])
