@@ -16,6 +16,8 @@ CONFIG_FILE = "torchkv_config.json"
 PARAMS_FILE = "torchkv_params.safetensors"
 FORMAT_VERSION = 1
 DEFAULT_PRESET = "kivi-4bit"
+#: compiled code rounds through the stored metadata dtypes exactly as eager does
+COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -226,7 +228,7 @@ class KVPipeline:
         if not self.compile:
             return fn(*args)
         if name not in self._compiled:
-            self._compiled[name] = torch.compile(fn, fullgraph=True, dynamic=None)
+            self._compiled[name] = torch.compile(fn, fullgraph=True, dynamic=None, options=COMPILE_OPTIONS)
         return self._compiled[name](*args)
 
     def encode_chunk(

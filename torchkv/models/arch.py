@@ -93,5 +93,7 @@ def rope_fn(model: nn.Module, layer_idx: int) -> RopeFn:
 def sliding_layers(model: nn.Module) -> list[bool]:
     """Whether each layer attends through a sliding window (from `config.layer_types`)."""
     config = model.config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:  # Mistral-style: one window for every layer, or none
+        return [getattr(config, "sliding_window", None) is not None] * config.num_hidden_layers
     return [t == "sliding_attention" for t in types]

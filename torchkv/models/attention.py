@@ -42,22 +42,36 @@ class MaskSpec:
             allowed = allowed & self.padding[:, None, None, :kv_len]
         return allowed.expand(batch, 1, q_len, kv_len)
 
-    def mask_mod(self, device: torch.device) -> Callable:
-        """A FlexAttention mask_mod over (query index, absolute kv index)."""
-        offset = torch.tensor(self.q_offset, device=device)  # a tensor, so new offsets do not recompile
+    def mask_mod(self, device: torch.device, q_start: int = 0, kv_start: int = 0, padded: bool = False) -> Callable:
+        """A FlexAttention mask_mod for queries from index `q_start` and keys from index `kv_start`.
+
+        With `padded`, keys are also checked against the padding mask (indexed by batch row).
+        """
+        # tensors, so new offsets do not recompile
+        q_off = torch.tensor(self.q_offset + q_start, device=device)
+        kv_off = torch.tensor(kv_start, device=device)
         rule, padding = self.rule, self.padding
 
-        if padding is None:
+        if not padded:
 
             def cached_causal(b, h, q_idx, kv_idx):
-                return rule(b, h, q_idx + offset, kv_idx)
+                return rule(b, h, q_idx + q_off, kv_idx + kv_off)
 
             return cached_causal
 
         def cached_causal_padded(b, h, q_idx, kv_idx):
-            return rule(b, h, q_idx + offset, kv_idx) & padding[b, kv_idx]
+            return rule(b, h, q_idx + q_off, kv_idx + kv_off) & padding[b, kv_idx + kv_off]
 
         return cached_causal_padded
+
+    def left_padding(self) -> list[int] | None:
+        """Pad count of each row when every row is pads then tokens (left padding), else None."""
+        if self.padding is None:
+            return [0]
+        starts = self.padding.int().argmax(-1)
+        rows = torch.arange(self.padding.shape[-1], device=self.padding.device)[None]
+        is_left = torch.equal(self.padding, rows >= starts[:, None])
+        return starts.tolist() if is_left else None
 
     def valid(self, start: int, end: int) -> torch.Tensor | None:
         """[B, end - start] bool validity of the tokens at positions [start, end), or None."""
@@ -86,12 +100,29 @@ def torchkv_mask(
 def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | None):
     """Attention of `query` [B, Hq, Q, D] over `keys`/`values` [B, H, N, D] (the last Q are the queries' own)."""
     q_len, kv_len = query.shape[2], keys.shape[2]
+    device = query.device
     if q_len == 1:
-        mask = spec.dense(q_len, kv_len, query.device)
-        return attend_dense(query, keys, values, mask, scaling, softcap)[0]
-    batch = None if spec.padding is None else spec.padding.shape[0]
-    block_mask = block_mask_from(spec.mask_mod(query.device), batch, q_len, kv_len, query.device)
-    return flex_prefill(query, keys, values, block_mask, scaling, softcap, dynamic=spec.padding is None)
+        return attend_dense(query, keys, values, spec.dense(q_len, kv_len, device), scaling, softcap)[0]
+    if spec.padding is None:
+        block_mask = block_mask_from(spec.mask_mod(device), None, q_len, kv_len, device)
+        return flex_prefill(query, keys, values, block_mask, scaling, softcap)
+    starts = spec.left_padding()
+    if starts is None:  # padding inside the sequence: one graph per shape
+        block_mask = block_mask_from(spec.mask_mod(device, padded=True), query.shape[0], q_len, kv_len, device)
+        return flex_prefill(query, keys, values, block_mask, scaling, softcap, dynamic=False)
+    # left padding: attend row by row over the row's own tokens, in the shape-generic graph
+    out = torch.zeros_like(query)
+    for b, start in enumerate(starts):
+        first_query = max(0, start - spec.q_offset)
+        if start >= kv_len or first_query >= q_len:
+            continue
+        rows = q_len - first_query
+        block_mask = block_mask_from(spec.mask_mod(device, first_query, start), None, rows, kv_len - start, device)
+        out[b : b + 1, :, first_query:] = flex_prefill(
+            query[b : b + 1, :, first_query:], keys[b : b + 1, :, start:], values[b : b + 1, :, start:],
+            block_mask, scaling, softcap,
+        )
+    return out
 
 
 def torchkv_attention(

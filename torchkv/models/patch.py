@@ -49,12 +49,22 @@ def resolve_pipeline(pipeline: "KVPipeline | str | Path | None") -> KVPipeline:
 
 def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
     config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:  # a dry run on one chunk surfaces shape errors now rather than mid-generation
+        pipeline.bits_per_value(config.num_key_value_heads, head_dim)
+    except ValueError as err:
+        raise ValueError(f"pipeline '{pipeline.name}' cannot encode this model's keys (head_dim {head_dim}): {err}") from err
     window = getattr(config, "sliding_window", None)
     if any(arch.sliding_layers(model)) and window is not None and window <= pipeline.residual + pipeline.chunk:
+        fix = (
+            f"use residual <= {window - pipeline.chunk - 1}"
+            if window > pipeline.chunk + 1
+            else f"use a chunk (token group) below {window - 1}"
+        )
         raise ValueError(
             f"the model's sliding window ({window} tokens) is not longer than the pipeline's full-precision "
             f"window (residual {pipeline.residual} + chunk {pipeline.chunk}): its sliding layers would never read "
-            f"a compressed token. Use a smaller residual, e.g. KVPipeline.from_preset(name, residual={window // 4})"
+            f"a compressed token; {fix}, e.g. KVPipeline.from_preset(name, residual=...)"
         )
 
 

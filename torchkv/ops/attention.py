@@ -8,11 +8,14 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
+@functools.cache
 def make_softcap_score_mod(cap: float) -> Callable:
     """score_mod for logit soft-capping (Gemma 2): `cap · tanh(score / cap)`."""
+    # a tensor, not a Python float: dynamic compiles turn captured floats into symbols flex cannot lower
+    cap_t = torch.tensor(cap)
 
     def softcap(score, b, h, q_idx, kv_idx):
-        return cap * torch.tanh(score / cap)
+        return cap_t * torch.tanh(score / cap_t)
 
     softcap.__name__ = f"softcap_{cap:g}"
     return softcap
@@ -20,7 +23,9 @@ def make_softcap_score_mod(cap: float) -> Callable:
 
 @functools.cache
 def _compiled_flex(dynamic: bool) -> Callable:
-    return torch.compile(flex_attention, dynamic=dynamic)
+    # None: static first, then lengths that change become symbolic (closure ints such as a sliding
+    # window stay constants: the CPU template of torch 2.13 miscompiles symbolic ones)
+    return torch.compile(flex_attention, dynamic=None if dynamic else False)
 
 
 def flex_prefill(
@@ -37,8 +42,9 @@ def flex_prefill(
     Args:
         q: [B, Hq, Q, D]. k, v: [B, H, N, D] with H dividing Hq.
         block_mask: mask over (Q, N) built with `create_block_mask`.
-        dynamic: one graph for every length. Pass False for a mask_mod that indexes a captured
-            tensor by batch: the CPU template of torch 2.13 miscompiles that case with dynamic shapes.
+        dynamic: one graph for every length (after the first recompile). Pass False for a mask_mod that
+            indexes a captured tensor by batch: the CPU template of torch 2.13 miscompiles that case
+            with dynamic shapes.
 
     Returns:
         [B, Hq, Q, D], q's dtype.

@@ -33,13 +33,18 @@ def _grouped(x: torch.Tensor, dim: int, group: int) -> torch.Tensor:
 
 
 def _round_toward(x32: torch.Tensor, dtype: torch.dtype, down: bool) -> torch.Tensor:
-    """Cast to `dtype`, rounding toward -inf (`down`) or +inf so the stored value brackets `x32`."""
-    y = x32.to(dtype)
+    """Cast to `dtype` so that the stored value is <= x32 (`down`) or >= x32.
+
+    Values exact in `dtype` are kept; others move by one unit of `dtype`'s precision before rounding
+    to nearest, which brackets them (plain arithmetic: `nextafter` miscompiles for half types).
+    """
     if dtype == torch.float32:
-        return y
-    limit = torch.full_like(y, float("-inf") if down else float("inf"))
-    off = (y.float() > x32) if down else (y.float() < x32)
-    return torch.where(off, torch.nextafter(y, limit), y)
+        return x32
+    info = torch.finfo(dtype)
+    shift = x32.abs() * info.eps + 2 * info.smallest_normal * info.eps
+    nearest = x32.to(dtype)
+    bracketed = (x32 - shift if down else x32 + shift).to(dtype)
+    return torch.where(nearest.float() == x32, nearest, bracketed)
 
 
 def _masked_reduce(
@@ -80,7 +85,8 @@ def quantize(
 
     Asymmetric (SQuat §2): `Δ = (M - m)/(2^b - 1)`, `c = round((x - m)/Δ)`, `x̂ = c·Δ + m`.
     The stored m is rounded down and Δ up, so `|x̂ - x| ≤ Δ/2` holds with the stored values.
-    A zero-range group (Δ = 0) gets code 0 and is reconstructed exactly.
+    A zero-range group has code 0 and a step of a few ulps. Under `torch.compile`, pass
+    `options={"emulate_precision_casts": True}` so codes use the stored (rounded) scale and zero, as in eager.
     """
     dim = _check_quantize_args(x, bits, dim, group)
     qmax = 2**bits - 1

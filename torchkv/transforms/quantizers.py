@@ -12,6 +12,7 @@ from torchkv.transforms.base import Context, Transform, TransformConfig
 AXES = ("token", "channel")
 META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CAST_DTYPES = {
+    "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
@@ -96,7 +97,7 @@ class CastConfig(TransformConfig):
 
 @register_transform("quantize", "cast")
 class Cast(Transform):
-    """Store in a narrower floating dtype (fp16 is the no-compression reference): `x -> x.to(dtype)`."""
+    """Store in a floating dtype (fp16 is the no-compression reference; float32 is lossless): `x -> x.to(dtype)`."""
 
     Config = CastConfig
 

@@ -1,0 +1,31 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "torchkv",
+    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 30)),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("torchkv")
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer): the real SmolLM2-135M-Instruct in float32, shared by the session (never mutate it
+    without undoing: tests patch it inside `torchkv.patched`)."""
+    from torchkv import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def wiki_eval_text():
+    from torchkv.eval.data import split_text
+
+    return split_text("eval")

@@ -1,0 +1,102 @@
+"""The architecture matrix on tiny random models: every supported family, GQA ratios, dtypes, padding."""
+
+import pytest
+import torch
+
+import torchkv
+import torchkv.transforms as T
+from torchkv.testing import TINY_ARCHITECTURES, tiny_model
+
+ARCHS = sorted(TINY_ARCHITECTURES)
+
+
+def lossless(pre_rope: bool = False, residual: int = 8) -> torchkv.KVPipeline:
+    keys = [T.rotate("pre_rope")] if pre_rope else []
+    keys.append(T.quantize("cast", dtype="float32"))
+    return torchkv.KVPipeline(keys, [T.quantize("cast", dtype="float32")], residual=residual, chunk=8)
+
+
+def _prompt(batch=2, length=80, pad=0, seed=0):
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, n=12):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_pipeline_generates_like_the_model(arch):
+    model = tiny_model(arch)
+    ids, mask = _prompt()
+    expected = _generate(model, ids, mask)
+    with torchkv.patched(model, lossless()):
+        got = _generate(model, ids, mask)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
+def test_pre_rope_storage_is_lossless(arch):
+    """Keys stored before RoPE and rotated back at their true positions (per layer type for Gemma 3)."""
+    model = tiny_model(arch)
+    ids, mask = _prompt(pad=5)
+    expected = _generate(model, ids, mask)
+    with torchkv.patched(model, lossless(pre_rope=True)):
+        got = _generate(model, ids, mask)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padding_matches_rows_alone(arch):
+    model = tiny_model(arch)
+    ids, mask = _prompt(pad=11)
+    with torchkv.patched(model, lossless()):
+        batch = _generate(model, ids, mask)
+        alone = _generate(model, ids[:1, 11:], mask[:1, 11:])
+    assert torch.equal(batch[0, 11:], alone[0])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1), (8, 2), (8, 8)])
+def test_gqa_ratios(heads, kv_heads):
+    model = tiny_model("llama", heads=heads, kv_heads=kv_heads, head_dim=32)
+    ids, mask = _prompt()
+    expected = _generate(model, ids, mask)
+    with torchkv.patched(model, lossless()):
+        assert torch.equal(_generate(model, ids, mask), expected)
+    with torchkv.patched(model, torchkv.KVPipeline.from_preset("kivi-8bit", residual=8)):
+        got = _generate(model, ids, mask)
+    assert (got == expected).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_dtypes(arch, dtype):
+    model = tiny_model(arch, dtype=dtype)
+    ids, mask = _prompt(pad=3)
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask).logits.float()
+        with torchkv.patched(model, torchkv.KVPipeline.from_preset("kivi-4bit", residual=8, group=16)):
+            cache = torchkv.new_cache(model)
+            first = model(input_ids=ids[:, :48], attention_mask=mask[:, :48], past_key_values=cache).logits
+            second = model(input_ids=ids[:, 48:], attention_mask=mask, past_key_values=cache).logits
+    logits = torch.cat([first, second], 1).float()
+    assert logits.dtype == torch.float32 and torch.isfinite(logits[1]).all()
+    # block 2 attends to a 4-bit history: close to the model, not equal
+    err = (logits[1] - reference[1]).abs().mean() / reference[1].abs().mean()
+    assert err < (0.02 if dtype == torch.float32 else 0.1)
+
+
+def test_sliding_window_shorter_than_the_fp_window_is_refused():
+    model = tiny_model("mistral")  # window 48
+    with pytest.raises(ValueError, match="sliding window \\(48 tokens\\).*use residual <= 15"):
+        torchkv.patch(model, "kivi-4bit")
+
+
+def test_sliding_layers_read_compressed_tokens_inside_the_window():
+    model = tiny_model("mistral")
+    ids, mask = _prompt(length=120)
+    expected = _generate(model, ids, mask, n=20)
+    with torchkv.patched(model, lossless(residual=8)):
+        assert torch.equal(_generate(model, ids, mask, n=20), expected)

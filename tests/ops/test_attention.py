@@ -1,0 +1,43 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
+
+
+@pytest.mark.parametrize("hq,h", [(9, 3), (4, 4), (8, 1)])
+def test_dense_matches_sdpa_with_gqa_and_mask(hq, h):
+    q, k, v = torch.randn(2, hq, 3, 16), torch.randn(2, h, 20, 16), torch.randn(2, h, 20, 16)
+    mask = torch.rand(2, 1, 3, 20) > 0.3
+    mask[..., 0] = True
+    out, probs = attend_dense(q, k, v, mask, scale=0.25)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=hq != h)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
+
+
+def test_dense_fully_masked_row_is_zero_not_nan():
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    out, _ = attend_dense(q, k, v, torch.zeros(1, 1, 1, 5, dtype=torch.bool), scale=1.0)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_softcap_is_applied():
+    q, k, v = torch.randn(1, 2, 1, 8) * 10, torch.randn(1, 2, 5, 8) * 10, torch.randn(1, 2, 5, 8)
+    out, probs = attend_dense(q, k, v, None, scale=1.0, softcap=5.0)
+    scores = 5.0 * torch.tanh((q @ k.transpose(-1, -2)) / 5.0)
+    torch.testing.assert_close(probs[:, :, 0], torch.softmax(scores, -1))
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(16, 16), (20, 84)])
+def test_flex_prefill_matches_sdpa(q_len, kv_len):
+    q, k, v = torch.randn(2, 4, q_len, 32), torch.randn(2, 2, kv_len, 32), torch.randn(2, 2, kv_len, 32)
+    offset = torch.tensor(kv_len - q_len)
+
+    def causal(b, h, qi, ki):
+        return ki <= qi + offset
+
+    out = flex_prefill(q, k, v, block_mask_from(causal, None, q_len, kv_len, "cpu"), scale=0.2)
+    mask = torch.arange(kv_len)[None] <= torch.arange(q_len)[:, None] + (kv_len - q_len)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,117 @@
+"""KVStore: window rules, exactness of full-precision tokens, accounting, batch and length edits."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchkv.pipeline import KVPipeline
+from torchkv.store import KVStore
+
+
+def _stream(store, k, v, sizes, valid=None):
+    start = 0
+    for n in sizes:
+        sl = slice(start, start + n)
+        store.append(k[:, :, sl], v[:, :, sl], None if valid is None else valid[:, sl])
+        start += n
+    return start
+
+
+@given(
+    sizes=st.lists(st.integers(1, 90), min_size=1, max_size=8),
+    residual=st.sampled_from([0, 16, 40]),
+    sinks=st.sampled_from([0, 1, 4]),
+    seed=st.integers(0, 1000),
+)
+def test_window_rules_and_exactness(sizes, residual, sinks, seed):
+    pipe = KVPipeline.from_preset("kivi-2bit", residual=residual, sinks=sinks, group=16)
+    g = torch.Generator().manual_seed(seed)
+    total = sum(sizes)
+    k, v = torch.randn(2, 3, total, 32, generator=g), torch.randn(2, 3, total, 32, generator=g)
+    store = KVStore(pipe)
+    _stream(store, k, v, sizes)
+    assert store.length == total == store.n_sinks + store.n_encoded + store.n_residual
+    assert store.n_sinks == min(sinks, total)
+    assert store.n_encoded % pipe.chunk == 0
+    assert store.n_residual < residual + pipe.chunk
+    if total - store.n_sinks >= residual + pipe.chunk:
+        assert store.n_residual >= residual
+    hk, hv = store.history()
+    assert hk.shape == k.shape
+    fp = torch.ones(total, dtype=torch.bool)
+    fp[store.n_sinks : store.n_sinks + store.n_encoded] = False
+    assert torch.equal(hk[:, :, fp], k[:, :, fp]) and torch.equal(hv[:, :, fp], v[:, :, fp])
+    # encoded tokens: within the 2-bit quantizers' step (their range spans ~6 sigma)
+    assert (hk - k).abs().max() <= 4.0
+
+
+@given(sizes=st.lists(st.integers(1, 70), min_size=1, max_size=6))
+def test_nbytes_is_the_storage_of_every_tensor_and_no_fp_copy(sizes):
+    pipe = KVPipeline.from_preset("kivi-2bit", residual=32, sinks=2)
+    total = sum(sizes)
+    k = torch.randn(1, 3, total, 64)
+    store = KVStore(pipe)
+    _stream(store, k, k, sizes)
+    held = store.tensors()
+    assert store.nbytes() == sum(t.untyped_storage().nbytes() for t in held.values())
+    full_precision = sum(t.numel() for t in held.values() if t.is_floating_point() and t.element_size() >= 4)
+    window = (pipe.sinks + pipe.residual + pipe.chunk) * 3 * 64 * 2  # sinks + window buffers, K and V
+    assert full_precision <= window
+    if store.n_encoded:
+        assert store.encoded_bits_per_value() == pytest.approx(3.0)
+
+
+def test_prefill_then_decode_equals_token_by_token_encoding():
+    pipe = KVPipeline.from_preset("kivi-4bit", residual=16)
+    k, v = torch.randn(1, 3, 200, 64), torch.randn(1, 3, 200, 64)
+    a, b = KVStore(pipe), KVStore(pipe)
+    _stream(a, k, v, [200])
+    _stream(b, k, v, [1] * 200)
+    assert a.n_encoded == b.n_encoded and a.encoded.keys() == b.encoded.keys()
+    assert all(torch.equal(a.encoded[n], b.encoded[n]) for n in a.encoded)
+
+
+def test_padding_does_not_enter_statistics():
+    pipe = KVPipeline.from_preset("kivi-2bit", residual=0)
+    k = torch.randn(2, 3, 64, 64)
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    valid[1, :10] = False
+    polluted = k.clone()
+    polluted[1, :, :10] = 1e3
+    store, clean = KVStore(pipe), KVStore(pipe)
+    store.append(polluted, polluted, valid)
+    clean.append(k, k, valid)
+    hk, _ = store.history()
+    ck, _ = clean.history()
+    torch.testing.assert_close(hk[1, :, 10:], ck[1, :, 10:])
+    assert torch.isfinite(hk).all()
+
+
+def test_reorder_and_crop():
+    pipe = KVPipeline.from_preset("kivi-4bit", residual=16, sinks=2)
+    k, v = torch.randn(3, 3, 100, 64), torch.randn(3, 3, 100, 64)
+    store = KVStore(pipe)
+    _stream(store, k, v, [70, 30])
+    hk, hv = store.history()
+    store.reorder(torch.tensor([2, 0, 0]))
+    rk, _ = store.history()
+    assert torch.equal(rk, hk[[2, 0, 0]])
+    store.crop(5)  # inside the window: exact
+    ck, _ = store.history()
+    assert store.length == 95 and torch.equal(ck, rk[:, :, :95])
+    store.crop(40)  # into the encoded chunks: kept tokens unchanged
+    ck2, _ = store.history()
+    assert store.length == 55 and torch.equal(ck2, rk[:, :, :55])
+    store.append(k[:, :, :10], v[:, :, :10])
+    assert store.length == 65
+    store.reset()
+    assert store.length == 0 and store.nbytes() == 0
+
+
+def test_pre_rope_store_requires_a_rope_function():
+    import torchkv.transforms as T
+
+    pipe = KVPipeline([T.rotate("pre_rope"), T.quantize("cast")], [T.quantize("cast")], residual=0)
+    with pytest.raises(ValueError, match="needs the model's rope function"):
+        KVStore(pipe)

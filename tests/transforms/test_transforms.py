@@ -1,0 +1,126 @@
+"""Every built-in transform: round trip, chunk-concatenation invariant, compile == eager."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import torchkv.transforms as T
+from torchkv import registry
+from torchkv.pipeline import COMPILE_OPTIONS, Chain
+from torchkv.transforms import Context
+
+EXAMPLES = {
+    ("rotate", "hadamard"): [{}, {"block": 16}],
+    ("rotate", "pre_rope"): [{}],
+    ("quantize", "uniform"): [
+        {"bits": 2, "axis": "channel", "group": 8},
+        {"bits": 4, "axis": "token", "group": 16, "symmetric": True},
+        {"bits": 3, "axis": "token", "group": 32, "meta_dtype": "float32"},
+    ],
+    ("quantize", "cast"): [{"dtype": "float16"}, {"dtype": "bfloat16"}],
+    ("pack", "bits"): [{"bits": 3}, {"bits": 2}],
+}
+CASES = [(kind, name, cfg) for (kind, name), cfgs in EXAMPLES.items() for cfg in cfgs]
+
+
+def test_every_builtin_transform_is_exercised():
+    builtin = {key for key in registry.transforms() if registry.transform_class(*key).__module__.startswith("torchkv.")}
+    assert builtin <= set(EXAMPLES), f"add examples for {builtin - set(EXAMPLES)}"
+
+
+def _rope_inputs(b, t, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(b, t, d // 2, generator=g) * 6.3
+    angles = torch.cat([angles, angles], -1)
+    return {"cos": angles.cos(), "sin": angles.sin()}
+
+
+def _input(transform, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    if transform.kind == "pack":
+        return torch.randint(0, 2**transform.config.bits, shape, generator=g, dtype=torch.uint8)
+    return torch.randn(shape, generator=g)
+
+
+def _tolerance(transform, x, state):
+    """Largest allowed |decode(encode(x)) - x| per element."""
+    if transform.kind == "quantize" and transform.name == "uniform":
+        dim = 3 if transform.config.axis == "token" else 2
+        return state["scale"].float().repeat_interleave(transform.config.group, dim=dim) / 2 * (1 + 1e-5) + 1e-6
+    if transform.kind == "quantize":  # a cast: one rounding of the storage dtype
+        return x.abs() * torch.finfo(getattr(torch, transform.config.dtype)).eps + 1e-6
+    return torch.full_like(x, 1e-5, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind,name,cfg", CASES, ids=lambda v: str(v))
+@given(seed=st.integers(0, 10_000), chunks=st.integers(1, 3), batch=st.integers(1, 2))
+def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks, batch):
+    t = registry.transform_class(kind, name)(**cfg)
+    d, step = 64, 32
+    shape = (batch, 3, step * chunks, d)
+    x = _input(t, shape, seed)
+    inputs = _rope_inputs(batch, shape[2], d, seed)
+    ctx = Context(dim=d, inputs=inputs)
+    y, state = t.encode(x, ctx)
+    xhat = t.decode(y, state, ctx)
+    assert xhat.shape == x.shape
+    assert torch.all((xhat.float() - x.float()).abs() <= _tolerance(t, x.float(), state))
+    for tensor in (y, *state.values()):
+        assert tensor.shape[0] == batch
+    # the store's invariant: encoding chunk by chunk and concatenating along dim 2 decodes the same
+    parts = []
+    for i in range(chunks):
+        sl = slice(i * step, (i + 1) * step)
+        part_ctx = Context(dim=d, inputs={k: v[:, sl] for k, v in inputs.items()})
+        parts.append(t.encode(x[:, :, sl], part_ctx))
+    y_cat = torch.cat([p[0] for p in parts], 2)
+    state_cat = {k: torch.cat([p[1][k] for p in parts], 2) for k in state}
+    torch.testing.assert_close(t.decode(y_cat, state_cat, ctx), xhat, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind,name,cfg", CASES, ids=lambda v: str(v))
+def test_compiled_equals_eager(kind, name, cfg):
+    torch.compiler.reset()  # the same `roundtrip` code serves every case: start from a clean cache
+    t = registry.transform_class(kind, name)(**cfg)
+    x = _input(t, (2, 3, 64, 64), 0)
+    ctx = Context(dim=64, inputs=_rope_inputs(2, 64, 64))
+
+    def roundtrip(x, inputs):
+        c = Context(dim=64, inputs=inputs)
+        y, state = t.encode(x, c)
+        return y, t.decode(y, state, c)
+
+    eager = roundtrip(x, dict(ctx.inputs))
+    compiled = torch.compile(roundtrip, fullgraph=True, options=COMPILE_OPTIONS)(x, dict(ctx.inputs))
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
+
+
+def test_pack_takes_width_from_quantizer():
+    chain = Chain([T.quantize(bits=3, axis="token", group=32), T.pack()])
+    assert chain.transforms[1].config.bits == 3
+    with pytest.raises(ValueError, match="needs a quantizer before it"):
+        Chain([T.pack()])
+
+
+@pytest.mark.parametrize(
+    "factory,kwargs,error",
+    [
+        (T.quantize, {"bits": 9}, "bits=9"),
+        (T.quantize, {"bits": 2, "axis": "row"}, "axis='row'"),
+        (T.quantize, {"bits": 2, "group": 0}, "group=0"),
+        (T.quantize, {"bits": 2, "colour": 1}, "unknown option"),
+        (T.pack, {"bits": 11}, "bits=11"),
+        (T.rotate, {"block": 6}, "power of two"),
+    ],
+)
+def test_bad_configuration_is_clear(factory, kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        factory(**kwargs)
+
+
+def test_token_group_must_divide_features():
+    t = T.quantize(bits=2, axis="token", group=48)
+    with pytest.raises(ValueError, match="group=48 must divide the feature size 64"):
+        t.encode(torch.randn(1, 1, 4, 64), Context(dim=64))

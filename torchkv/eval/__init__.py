@@ -1,0 +1,1 @@
+"""Evaluation: perplexity through the compressed cache, retrieval, memory and speed, reports."""

@@ -1,0 +1,62 @@
+"""Shared test helpers: error metrics, tiny random models of each supported architecture, K/V capture."""
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
+
+#: config class, and the options making a tiny model of each architecture in the test matrix.
+TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 48}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 32, "sliding_window": 48, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 32},
+    ),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 32, "sliding_window": 48, "query_pre_attn_scalar": 32}),
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+}
+
+
+def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: `10·log10(‖x‖² / ‖x - x̂‖²)`."""
+    reference, approx = reference.double(), approx.double()
+    noise = (reference - approx).pow(2).sum().clamp_min(1e-300)
+    return float(10 * torch.log10(reference.pow(2).sum() / noise))
+
+
+def tiny_model(
+    model_type: str = "llama",
+    heads: int = 4,
+    kv_heads: int = 2,
+    layers: int = 2,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides,
+):
+    """A randomly initialised decoder-only LM (hidden 128, head_dim 32 with 4 heads, vocab 128) of an architecture in `TINY_ARCHITECTURES`."""
+    config_name, options = TINY_ARCHITECTURES[model_type]
+    options = {
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": 128,
+        "max_position_embeddings": 1024,
+        **options,
+        **overrides,
+    }
+    config = getattr(transformers, config_name)(**options)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+@torch.no_grad()
+def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Post-RoPE keys and values `[B, H, T, D]` of every layer for one forward pass (unpatched model)."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
