@@ -57,22 +57,26 @@ class KVStore:
         self.res_k: torch.Tensor | None = None  # [B, H, residual + chunk, D] window buffer
         self.res_v: torch.Tensor | None = None
         self.res_valid: torch.Tensor | None = None  # [B, residual + chunk] bool
+        self.dtype: torch.dtype | None = None  # of the tokens appended
+        self.kv_heads = self.head_dim = 0
         self.positions: torch.Tensor | None = None  # [B, length] position ids, when tracked
 
     @property
     def n_sinks(self) -> int:
         return 0 if self.sink_k is None else self.sink_k.shape[2]
 
-    @property
-    def head_dim(self) -> int:
-        return self.res_k.shape[-1]
-
-    def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        b, h, _, _ = k.shape
-        capacity = self.pipeline.residual + self.pipeline.chunk
-        self.res_k = k.new_zeros(b, h, capacity, k.shape[-1])
-        self.res_v = v.new_zeros(b, h, capacity, v.shape[-1])
-        self.res_valid = torch.zeros(b, capacity, dtype=torch.bool, device=k.device)
+    def _reserve(self, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
+        """Make the window buffers hold `tokens` (they grow by doubling up to `residual + chunk`)."""
+        have = 0 if self.res_k is None else self.res_k.shape[2]
+        if tokens <= have:
+            return
+        size = min(max(tokens, 2 * have), self.pipeline.residual + self.pipeline.chunk)
+        b, h = k.shape[:2]
+        res_k, res_v = k.new_zeros(b, h, size, k.shape[-1]), v.new_zeros(b, h, size, v.shape[-1])
+        res_valid = torch.zeros(b, size, dtype=torch.bool, device=k.device)
+        if have:
+            res_k[:, :, :have], res_v[:, :, :have], res_valid[:, :have] = self.res_k, self.res_v, self.res_valid
+        self.res_k, self.res_v, self.res_valid = res_k, res_v, res_valid
 
     def _rope_inputs(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """cos/sin of the tokens held at indices [start, end), for transforms that require them."""
@@ -106,9 +110,8 @@ class KVStore:
             if positions is None:
                 positions = torch.arange(self.length, self.length + t, device=k.device)[None]
             self.positions = _cat(self.positions, positions.expand(b, t).long(), 1)
-        first = self.res_k is None
-        if first:
-            self._allocate(k, v)
+        first = self.length == 0 and not self.prepared
+        self.dtype, self.kv_heads, self.head_dim = k.dtype, k.shape[1], k.shape[-1]
         self.length += t
         if first and pipe.needs_prepare:
             own = {**(inputs or {}), **self._rope_inputs(0, t)}
@@ -121,9 +124,12 @@ class KVStore:
             k, v, valid = k[:, :, take:], v[:, :, take:], valid[:, take:]
 
         n = self.n_residual
-        buf_k = torch.cat([self.res_k[:, :, :n], k], 2)  # [B, H, n + T', D]
-        buf_v = torch.cat([self.res_v[:, :, :n], v], 2)
-        buf_valid = torch.cat([self.res_valid[:, :n], valid], 1)
+        if n:
+            buf_k = torch.cat([self.res_k[:, :, :n], k], 2)  # [B, H, n + T', D]
+            buf_v = torch.cat([self.res_v[:, :, :n], v], 2)
+            buf_valid = torch.cat([self.res_valid[:, :n], valid], 1)
+        else:
+            buf_k, buf_v, buf_valid = k, v, valid
         total = buf_k.shape[2]
         flush = max(0, (total - pipe.residual) // pipe.chunk) * pipe.chunk
         if flush:
@@ -140,9 +146,11 @@ class KVStore:
                 self.encoded[name] = _cat(self.encoded.get(name), tensor, 2)
             self.n_encoded += flush
         rest = total - flush
-        self.res_k[:, :, :rest] = buf_k[:, :, flush:]
-        self.res_v[:, :, :rest] = buf_v[:, :, flush:]
-        self.res_valid[:, :rest] = buf_valid[:, flush:]
+        if rest:
+            self._reserve(k, v, rest)
+            self.res_k[:, :, :rest] = buf_k[:, :, flush:]
+            self.res_v[:, :, :rest] = buf_v[:, :, flush:]
+            self.res_valid[:, :rest] = buf_valid[:, flush:]
         self.n_residual = rest
 
     def decode_encoded(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +163,7 @@ class KVStore:
             prepared=self.prepared,
             inputs=self._rope_inputs(start, start + self.n_encoded),
         )
-        return k.to(self.res_k.dtype), v.to(self.res_v.dtype)
+        return k.to(self.dtype), v.to(self.dtype)
 
     def history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token held, in order, reconstructed: `(k, v)` each `[B, H, length, D]` (transient)."""
@@ -167,8 +175,9 @@ class KVStore:
             k, v = self.decode_encoded()
             ks.append(k)
             vs.append(v)
-        ks.append(self.res_k[:, :, : self.n_residual])
-        vs.append(self.res_v[:, :, : self.n_residual])
+        if self.n_residual:
+            ks.append(self.res_k[:, :, : self.n_residual])
+            vs.append(self.res_v[:, :, : self.n_residual])
         return torch.cat(ks, 2), torch.cat(vs, 2)
 
     # -- accounting ----------------------------------------------------------------------------------
@@ -190,7 +199,8 @@ class KVStore:
         """Stored bits per encoded key or value, metadata included (sinks, window and prepared state excluded)."""
         if not self.n_encoded:
             return float("nan")
-        values = 2 * self.n_encoded * self.res_k.shape[0] * self.res_k.shape[1] * self.head_dim
+        batch = next(iter(self.encoded.values())).shape[0]
+        values = 2 * self.n_encoded * batch * self.kv_heads * self.head_dim
         return 8 * sum(t.numel() * t.element_size() for t in self.encoded.values()) / values
 
     # -- batch and length edits ------------------------------------------------------------------------
@@ -240,6 +250,7 @@ class KVStore:
         self.n_residual = 0
         if partial_k is not None:
             rest = partial_k.shape[2]
+            self._reserve(partial_k, partial_v, rest)
             self.res_k[:, :, :rest] = partial_k
             self.res_v[:, :, :rest] = partial_v
             self.res_valid[:, :rest] = True

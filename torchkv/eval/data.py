@@ -52,13 +52,14 @@ def split_text(split: str) -> str:
 
 
 @functools.cache
-def _split_ids(tokenizer, split: str) -> torch.Tensor:
+def token_stream(tokenizer, split: str = "eval") -> torch.Tensor:
+    """The whole split as one stream of token ids: [n] long."""
     return tokenizer(split_text(split), return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
 def documents(tokenizer, length: int, count: int, split: str = "eval") -> torch.Tensor:
     """`count` consecutive, non-overlapping windows of `length` tokens of `split`: [count, length] long."""
-    ids = _split_ids(tokenizer, split)
+    ids = token_stream(tokenizer, split)
     if count * length > ids.numel():
         raise ValueError(
             f"the '{split}' split has {ids.numel()} tokens; {count} documents of {length} tokens need {count * length}"

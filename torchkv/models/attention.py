@@ -154,17 +154,21 @@ def torchkv_attention(
         return out.transpose(1, 2).contiguous(), None
 
     layer = key
-    k_new, v_new = layer.pending
     store = layer.store
+    k_new, v_new = layer.pending
+    start = store.length
+    commit = (attention_mask.valid(start, start + k_new.shape[2]), kwargs.get("position_ids"), {"queries": query})
+    if layer.simulated:  # every token, the queries' own included, is read in its stored form
+        layer.commit(*commit)
+        keys, values = store.history()
+        return _attend(query, keys, values, attention_mask, scaling, softcap).transpose(1, 2).contiguous(), None
     if store.length:
         k_old, v_old = store.history()
         keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
     else:
         keys, values = k_new, v_new
     out = _attend(query, keys, values, attention_mask, scaling, softcap)
-    start = store.length
-    valid = attention_mask.valid(start, start + k_new.shape[2])
-    layer.commit(valid, kwargs.get("position_ids"), {"queries": query})
+    layer.commit(*commit)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -20,10 +20,18 @@ class TorchKVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, pipeline: KVPipeline, layer_idx: int, rope: RopeFn | None = None, is_sliding: bool = False):
+    def __init__(
+        self,
+        pipeline: KVPipeline,
+        layer_idx: int,
+        rope: RopeFn | None = None,
+        is_sliding: bool = False,
+        simulated: bool = False,
+    ):
         super().__init__()
         self.store = KVStore(pipeline, layer_idx, rope)
         self.is_sliding = is_sliding
+        self.simulated = simulated
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -94,6 +102,9 @@ class TorchKVCache(Cache):
         num_layers: decoder layers.
         rope: layer index -> the model's rotary embedding of that layer (for pre-RoPE pipelines).
         sliding: per layer, whether it attends through a sliding window.
+        simulated: new tokens are stored before they are attended to, so queries read every token in
+            its compressed form (how papers report "simulated quantization" perplexity; use with
+            residual 0 and no sinks).
     """
 
     def __init__(
@@ -102,10 +113,12 @@ class TorchKVCache(Cache):
         num_layers: int,
         rope: Callable[[int], RopeFn] | None = None,
         sliding: list[bool] | None = None,
+        simulated: bool = False,
     ):
         sliding = sliding or [False] * num_layers
         layers = [
-            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i]) for i in range(num_layers)
+            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated)
+            for i in range(num_layers)
         ]
         super().__init__(layers=layers)
         self.pipeline = pipeline

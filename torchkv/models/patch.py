@@ -68,8 +68,12 @@ def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
         )
 
 
-def new_cache(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None) -> TorchKVCache:
-    """An empty compressed cache for `model` (the patched pipeline by default), to pass as `past_key_values`."""
+def new_cache(
+    model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None, simulated: bool = False
+) -> TorchKVCache:
+    """An empty compressed cache for `model` (the patched pipeline by default), to pass as `past_key_values`.
+
+    `simulated` stores new tokens before attending to them (see `TorchKVCache`)."""
     if pipeline is None and model in _PATCHES:
         pipe = _PATCHES[model].pipeline
     else:
@@ -81,7 +85,7 @@ def new_cache(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = Non
         def rope(layer_idx: int):
             return arch.rope_fn(model, layer_idx)
 
-    return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model))
+    return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated)
 
 
 def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict):

@@ -1,0 +1,70 @@
+"""The command line, the examples and the README, run as a user would."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torchkv
+from torchkv.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_presets_command_lists_the_registry(capsys):
+    main(["presets"])
+    out = capsys.readouterr().out
+    for p in torchkv.presets():
+        assert re.search(rf"^{re.escape(p['name'])}\s+{p['nominal_bits']:g} bits\s+{re.escape(p['description'])}$", out, re.M)
+
+
+def test_errors_exit_with_a_message(capsys, tmp_path):
+    with pytest.raises(SystemExit) as code:
+        main(["eval", "--presets", "kivi-3bit", "--out", str(tmp_path / "x.json")])
+    assert code.value.code == 2
+    assert "unknown preset 'kivi-3bit'" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["report", str(tmp_path / "bad.json")])
+    assert "not a torchkv results file" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    done = _run("-m", "torchkv", "presets")
+    assert done.returncode == 0 and "kivi-2bit" in done.stdout
+
+
+def test_readme_presets_table_is_generated_from_the_registry():
+    from torchkv.cli import presets_markdown
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- presets:begin -->")[1].split("<!-- presets:end -->")[0].strip()
+    assert block == presets_markdown().strip(), "regenerate with: python -m torchkv presets --markdown"
+
+
+@pytest.mark.model
+def test_quickstart_example():
+    done = _run("examples/quickstart.py", "--max-new-tokens", "12", "--context-chars", "3000")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"KV cache: [\d.]+ MiB -> [\d.]+ MiB \(\d+% saved", done.stdout)
+
+
+@pytest.mark.model
+def test_compose_method_example():
+    done = _run("examples/compose_method.py", "--docs", "1", "--length", "512")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hadamard-2bit" in done.stdout and "kivi-2bit" in done.stdout
+
+
+@pytest.mark.model
+def test_evaluate_example(tmp_path):
+    out = tmp_path / "e.json"
+    done = _run("examples/evaluate.py", "--context", "384", "--cases", "2", "--presets", "kivi-4bit", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.is_file() and "| quanto-2bit |" in done.stdout and (tmp_path / "ppl_vs_bits.png").is_file()

@@ -1,0 +1,114 @@
+"""The evaluation harness on the real model, with small samples."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from torchkv.eval import runner
+from torchkv.eval.data import SPLITS, documents, split_articles
+from torchkv.eval.perplexity import perplexity
+from torchkv.eval.report import markdown_table, plots
+from torchkv.eval.retrieval import cases, retrieval
+from torchkv.eval.rows import cache_nbytes, method
+from torchkv.eval.runner import EvalSettings, run_eval
+
+pytestmark = pytest.mark.model
+
+
+def test_splits_are_fixed_and_disjoint():
+    ev, cal = split_articles("eval"), split_articles("calibration")
+    assert len(ev) > 500 and len(cal) > 2 * len(ev)
+    assert not {t for t, _ in ev} & {t for t, _ in cal}
+    assert ev[0][0] == sorted(t for t, _ in ev)[0]
+    with pytest.raises(ValueError, match="unknown split 'test'"):
+        split_articles("test")
+    assert set(SPLITS) == {"eval", "calibration"}
+
+
+def test_blockwise_perplexity_through_dynamic_cache_equals_one_forward(smollm2):
+    model, tokenizer = smollm2
+    docs = documents(tokenizer, 512, 1)
+    with torch.no_grad():
+        logits = model(docs).logits[0, :-1]
+    direct = math.exp(float(torch.nn.functional.cross_entropy(logits, docs[0, 1:])))
+    assert perplexity(model, docs, method("dynamic"), progress=False) == pytest.approx(direct, rel=1e-4)
+
+
+def test_perplexity_modes_order(smollm2):
+    model, tokenizer = smollm2
+    docs = documents(tokenizer, 512, 1)
+    full = perplexity(model, docs, method("dynamic"), progress=False)
+    fp16 = perplexity(model, docs, method("fp16"), progress=False)
+    row = method("kivi-2bit")
+    streaming = perplexity(model, docs, row, progress=False)
+    simulated = perplexity(model, docs, row, simulated=True, progress=False)
+    assert fp16 == pytest.approx(full, rel=1e-3)
+    assert full < streaming < simulated
+
+
+def test_retrieval_cases_are_seeded_and_scored(smollm2):
+    model, tokenizer = smollm2
+    a, b = cases(tokenizer, 600, 3, seed=1), cases(tokenizer, 600, 3, seed=1)
+    assert [c.key for c in a] == [c.key for c in b] and all(c.prompt.shape == (1, 600) for c in a)
+    assert tokenizer.decode(a[0].answer) == " " + a[0].key
+    assert a[0].key in tokenizer.decode(a[0].prompt[0, :20])
+    full = retrieval(model, a, method("dynamic"), progress=False)
+    broken = retrieval(model, a, method("kivi-2bit"), progress=False)
+    assert full["cases"] == 3 and full["accuracy"] >= 2 / 3 and full["logprob"] > -3
+    assert broken["logprob"] < full["logprob"]
+
+
+def test_cache_bytes_of_baselines(smollm2):
+    model, tokenizer = smollm2
+    ids = documents(tokenizer, 600, 1)
+    sizes = {}
+    for name in ("dynamic", "quanto-4bit", "kivi-4bit"):
+        row = method(name)
+        with row.active(model), torch.no_grad():
+            cache = row.new_cache(model)
+            model(ids, past_key_values=cache)
+            sizes[name] = cache_nbytes(cache)
+    assert sizes["dynamic"] == 600 * 30 * 2 * 3 * 64 * 4
+    assert sizes["quanto-4bit"] < sizes["dynamic"] / 3 and sizes["kivi-4bit"] < sizes["dynamic"] / 2
+
+
+def test_run_eval_writes_rows_as_they_finish(tmp_path, monkeypatch):
+    settings = EvalSettings(ppl_docs={256: 1}, retrieval_contexts=(256,), retrieval_cases=1, speed_contexts=(256,),
+                            new_tokens=2)
+    real = runner.evaluate_row
+
+    def fail_on_quanto(model, tokenizer, row, *args):
+        if row.name == "quanto-2bit":
+            raise KeyboardInterrupt
+        return real(model, tokenizer, row, *args)
+
+    monkeypatch.setattr(runner, "evaluate_row", fail_on_quanto)
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_eval("smollm2-135m", ["kivi-4bit", "quanto-2bit"], settings, out, progress=False)
+    saved = json.loads(out.read_text())
+    assert [r["name"] for r in saved["rows"]] == ["dynamic", "kivi-4bit"]
+    row = saved["rows"][1]
+    assert row["bits_per_value"] == {"keys": 5.0, "values": 5.0}
+    assert set(row["ppl"]["streaming"]) == {"256"} and row["retrieval"]["256"]["cases"] == 1
+    gen = row["generation"][0]
+    assert gen["decode_tokens_per_s"] > 0 and gen["cache_bytes"] > 0 and gen["peak_rss_bytes"] > 0
+    assert saved["meta"]["machine"]["cpu_count"] and saved["meta"]["torch"] and saved["meta"]["settings"]["seed"] == 0
+    table = markdown_table(saved)
+    assert "| kivi-4bit |" in table and "(+" in table
+    written = plots(saved, tmp_path)
+    assert {p.name for p in written} == {"ppl_vs_bits.png", "decode_speed.png"}
+    assert all(p.stat().st_size > 10_000 for p in written)
+
+
+def test_bad_requests_are_refused_before_work():
+    with pytest.raises(ValueError, match="'calibration' is the calibration split"):
+        EvalSettings(split="calibration")
+    with pytest.raises(ValueError, match="unknown preset 'kivi-9bit'"):
+        run_eval("smollm2-135m", ["kivi-9bit"], EvalSettings(), None, progress=False)
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
+        run_eval("gpt-5", ["kivi-4bit"], EvalSettings(), None, progress=False)
+    with pytest.raises(ValueError, match="context 16384 exceeds smollm2-135m's limit of 8192"):
+        run_eval("smollm2-135m", ["kivi-4bit"], EvalSettings(ppl_docs={16384: 1}), None, progress=False)

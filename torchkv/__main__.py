@@ -1,0 +1,3 @@
+from torchkv.cli import main
+
+main()

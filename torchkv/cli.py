@@ -1,0 +1,142 @@
+"""Command line: `torchkv presets | eval | report | generate`."""
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _csv_ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def presets_markdown() -> str:
+    """The presets table of the README, from the registry."""
+    from torchkv.pipeline import presets
+
+    lines = ["| preset | nominal bits | description | options |", "|---|---|---|---|"]
+    for p in presets():
+        options = ", ".join(f"`{k}={v!r}`" for k, v in p["options"].items()) or "–"
+        lines.append(f"| `{p['name']}` | {p['nominal_bits']:g} | {p['description']} | {options} |")
+    return "\n".join(lines)
+
+
+def _presets(args) -> None:
+    from torchkv.pipeline import presets
+
+    if args.markdown:
+        print(presets_markdown())
+        return
+    rows = presets()
+    width = max(len(p["name"]) for p in rows)
+    for p in rows:
+        print(f"{p['name']:<{width}}  {p['nominal_bits']:>5g} bits  {p['description']}")
+
+
+def _eval(args) -> None:
+    from torchkv.eval.report import markdown_table
+    from torchkv.eval.rows import BASELINES
+    from torchkv.eval.runner import QUICK, EvalSettings, run_eval
+
+    settings = QUICK if args.quick else EvalSettings()
+    overrides = {"simulated": args.simulated, "split": args.split}
+    if args.ppl_docs:
+        overrides["ppl_docs"] = {int(k): int(v) for k, v in (kv.split(":") for kv in args.ppl_docs.split(","))}
+    if args.retrieval_contexts:
+        overrides["retrieval_contexts"] = _csv_ints(args.retrieval_contexts)
+    if args.retrieval_cases:
+        overrides["retrieval_cases"] = args.retrieval_cases
+    if args.speed_contexts:
+        overrides["speed_contexts"] = _csv_ints(args.speed_contexts)
+    import dataclasses
+
+    settings = dataclasses.replace(settings, **overrides)
+    names = [n for n in args.presets.split(",") if n]
+    if args.baselines:
+        names += [b for b in BASELINES if b not in names]
+    results = run_eval(args.model, names, settings, Path(args.out), progress=not args.no_progress)
+    print(markdown_table(results))
+    print(f"\nwrote {args.out}")
+
+
+def _report(args) -> None:
+    from torchkv.eval.report import load, markdown_table, plots
+
+    results = load(args.results)
+    out_dir = Path(args.out_dir or Path(args.results).parent)
+    table = markdown_table(results)
+    (out_dir / (Path(args.results).stem + ".md")).write_text(table + "\n")
+    print(table)
+    for path in plots(results, out_dir):
+        print(f"wrote {path}")
+
+
+def _generate(args) -> None:
+    import torch
+    from transformers import DynamicCache
+
+    import torchkv
+    from torchkv.eval.rows import cache_nbytes
+
+    model, tokenizer = torchkv.load_model(args.model)
+    messages = [{"role": "user", "content": args.prompt}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    n = inputs["input_ids"].shape[1]
+    kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    reference_cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        reference = model.generate(**inputs, past_key_values=reference_cache, **kwargs)
+        with torchkv.patched(model, args.preset):
+            cache = torchkv.new_cache(model)
+            out = model.generate(**inputs, past_key_values=cache, **kwargs)
+    name = torchkv.DEFAULT_PRESET if args.preset is None else args.preset
+    print(f"[{name}] {tokenizer.decode(out[0, n:], skip_special_tokens=True)}")
+    print(f"[full precision] {tokenizer.decode(reference[0, n:], skip_special_tokens=True)}")
+    print(f"cache: {cache.nbytes() / 2**20:.2f} MiB with {name}, "
+          f"{cache_nbytes(reference_cache) / 2**20:.2f} MiB with DynamicCache ({cache.get_seq_length()} tokens)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="torchkv", description="Compressed KV caches for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    pr = sub.add_parser("presets", help="list the registered presets")
+    pr.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+    pr.set_defaults(run=_presets)
+
+    ev = sub.add_parser("eval", help="perplexity, retrieval, memory and speed against full precision")
+    ev.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a local model folder")
+    ev.add_argument("--presets", default="fp16,kivi-8bit,kivi-4bit,kivi-2bit", help="comma-separated presets")
+    ev.add_argument("--baselines", action="store_true", help="add transformers' QuantizedCache (quanto 4/2-bit)")
+    ev.add_argument("--simulated", action="store_true", help="also perplexity with every token quantized")
+    ev.add_argument("--quick", action="store_true", help="small samples (a few minutes)")
+    ev.add_argument("--ppl-docs", help="context:documents pairs, e.g. 2048:2,8192:1")
+    ev.add_argument("--retrieval-contexts", help="e.g. 2048,4096,8192")
+    ev.add_argument("--retrieval-cases", type=int, help="seeded cases per context (default 50)")
+    ev.add_argument("--speed-contexts", help="contexts of the generation profile, e.g. 1024,4096")
+    ev.add_argument("--split", default="eval", help="text split (evaluation refuses 'calibration')")
+    ev.add_argument("--out", default="results.json")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(run=_eval)
+
+    rp = sub.add_parser("report", help="Markdown table and plots of a results file")
+    rp.add_argument("results")
+    rp.add_argument("--out-dir")
+    rp.set_defaults(run=_report)
+
+    gen = sub.add_parser("generate", help="answer a prompt with a compressed cache, beside full precision")
+    gen.add_argument("prompt")
+    gen.add_argument("--preset", default=None, help="default: the default preset")
+    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.set_defaults(run=_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, RuntimeError, ImportError) as err:
+        print(f"torchkv {args.command}: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Reports of `torchkv eval` results: a Markdown table and plots (PNG, matplotlib)."""
+
+import json
+from pathlib import Path
+
+
+def load(path: str | Path) -> dict:
+    results = json.loads(Path(path).read_text())
+    if "rows" not in results or "meta" not in results:
+        raise ValueError(f"{path} is not a torchkv results file (no 'meta'/'rows')")
+    return results
+
+
+def _reference(results: dict) -> dict | None:
+    return next((r for r in results["rows"] if r["name"] == results["meta"].get("reference")), None)
+
+
+def cache_bits(results: dict, row: dict) -> float | None:
+    """Bits per cached value over the whole cache (windows and metadata included) at the first speed context."""
+    gen = row.get("generation") or []
+    per_token = results["meta"].get("values_per_token")
+    if not gen or not per_token:
+        return None
+    g = gen[0]
+    tokens = g["batch"] * (g["context"] + g["new_tokens"] - 1)
+    return 8 * g["cache_bytes"] / (tokens * per_token)
+
+
+def _num(x, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _encoded_bits(row: dict) -> float | None:
+    bits = row.get("bits_per_value")
+    return None if not bits else (bits["keys"] + bits["values"]) / 2
+
+
+def _ppl_cell(row: dict, ref: dict | None, mode: str, ctx: str) -> str:
+    value = row.get("ppl", {}).get(mode, {}).get(ctx)
+    if value is None:
+        return "–"
+    base = (ref or {}).get("ppl", {}).get("streaming", {}).get(ctx)
+    return f"{value:.3f}" if not base else f"{value:.3f} ({100 * (value / base - 1):+.2f}%)"
+
+
+def _retrieval_cell(row: dict, ctx: str) -> str:
+    r = row.get("retrieval", {}).get(ctx)
+    return "–" if r is None else f"{r['accuracy']:.2f} / {r['logprob']:.2f}"
+
+
+def _decode_cell(gen: dict | None, ref_gen: dict | None) -> str:
+    if gen is None:
+        return "–"
+    ratio = f" ({gen['decode_tokens_per_s'] / ref_gen['decode_tokens_per_s']:.2f}x)" if ref_gen else ""
+    return f"{gen['decode_tokens_per_s']:.1f}{ratio}"
+
+
+def markdown_table(results: dict) -> str:
+    """One line per row: quality, memory and speed, each beside the full-precision reference."""
+    ref = _reference(results) or {}
+    rows = results["rows"]
+    modes = [m for m in ("streaming", "simulated") if any(m in row.get("ppl", {}) for row in rows)]
+    ppl_cols = [(mode, ctx) for mode in modes for ctx in ref.get("ppl", {}).get("streaming", {})]
+    ret_cols = list(ref.get("retrieval", {}))
+    gen_ctx = [g["context"] for g in ref.get("generation", [])]
+    header = ["row", "bits/value (cache)", "bits/value (encoded)"]
+    header += [f"ppl {ctx} {mode}" for mode, ctx in ppl_cols]
+    header += [f"retrieval {c} acc / logp" for c in ret_cols]
+    header += [f"cache MiB @{c}" for c in gen_ctx[:1]]
+    header += [f"decode tok/s @{c}" for c in gen_ctx] + [f"prefill tok/s @{c}" for c in gen_ctx[:1]]
+    header += ["peak RSS growth MiB"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    ref_gens = {g["context"]: g for g in ref.get("generation", [])}
+    for row in rows:
+        gens = {g["context"]: g for g in row.get("generation", [])}
+        first = gens.get(gen_ctx[0]) if gen_ctx else None
+        cells = [row["name"], _num(cache_bits(results, row)), _num(_encoded_bits(row))]
+        cells += [_ppl_cell(row, ref, mode, ctx) for mode, ctx in ppl_cols]
+        cells += [_retrieval_cell(row, c) for c in ret_cols]
+        if gen_ctx:
+            cells.append(_num(first and first["cache_bytes"] / 2**20, ".1f"))
+        cells += [_decode_cell(gens.get(c), ref_gens.get(c)) for c in gen_ctx]
+        if gen_ctx:
+            cells.append(_num(first and first["prefill_tokens_per_s"], ".0f"))
+        growth = first and first.get("peak_over_start_bytes")
+        cells.append(_num(growth and growth / 2**20, ".0f"))
+        lines.append("| " + " | ".join(cells) + " |")
+    meta = results["meta"]
+    lines += [
+        "",
+        f"{meta['model']} ({meta['dtype']}), torch {meta['torch']}, transformers {meta['transformers']}, "
+        f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores). ppl streaming: blocks of "
+        f"{meta['settings']['block']} tokens read the compressed history; simulated: every token is read "
+        "compressed (no full-precision window, no sinks). Increases are against the full-precision DynamicCache "
+        "row. bits/value (cache): all cache bytes (windows, metadata) per cached value at the generation context; "
+        "(encoded): compressed tokens only.",
+    ]
+    return "\n".join(lines)
+
+
+def plots(results: dict, out_dir: str | Path) -> list[Path]:
+    """ppl increase vs bits per value, and decode tokens/s vs context length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ref = _reference(results)
+    written = []
+    if ref and ref.get("ppl"):
+        ctx = next(iter(ref["ppl"]["streaming"]))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for row in results["rows"]:
+            bits, value = cache_bits(results, row), row.get("ppl", {}).get("streaming", {}).get(ctx)
+            if row is ref or bits is None or value is None:
+                continue
+            increase = max(100 * (value / ref["ppl"]["streaming"][ctx] - 1), 1e-3)
+            marker = "s" if row["kind"] == "quanto" else "o"
+            ax.scatter(bits, increase, marker=marker, s=50)
+            ax.annotate(row["name"], (bits, increase), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_yscale("log")
+        ax.set_xlabel("measured bits per cached value (metadata and windows included)")
+        ax.set_ylabel("perplexity increase, %")
+        ax.set_title(f"Quality vs memory — {results['meta']['model']}, {ctx}-token documents, streaming")
+        ax.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / "ppl_vs_bits.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drew = False
+    for row in results["rows"]:
+        points = sorted((g["context"], g["decode_tokens_per_s"]) for g in row.get("generation", []))
+        if points:
+            ax.plot(*zip(*points), marker="o", label=row["name"], linestyle="--" if row["kind"] != "torchkv" else "-")
+            drew = True
+    if drew:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("decode tokens/s (batch 1)")
+        ax.set_title(f"Decode speed — {results['meta']['model']}, {results['meta']['machine']['cpu_count']} CPU cores")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / "decode_speed.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    plt.close(fig)
+    return written

@@ -1,0 +1,90 @@
+"""What a results row measures: a torchkv pipeline, or one of transformers' own caches as a baseline."""
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, QuantizedCache
+from transformers.cache_utils import Cache
+
+from torchkv.models import patched
+from torchkv.models.patch import new_cache
+from torchkv.pipeline import KVPipeline
+
+#: baseline rows: transformers' full-precision cache and its quanto-quantized cache (KIVI-like window 128)
+BASELINES = {"dynamic": None, "quanto-4bit": 4, "quanto-2bit": 2}
+
+
+@dataclass
+class Method:
+    """One row: `name` is its label; torchkv rows carry a pipeline, baselines a quanto bit width."""
+
+    name: str
+    pipeline: KVPipeline | None = None
+    nbits: int | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.pipeline is not None:
+            return "torchkv"
+        return "dynamic" if self.nbits is None else "quanto"
+
+    def config(self) -> dict:
+        if self.pipeline is not None:
+            return self.pipeline.config()
+        if self.nbits is None:
+            return {"cache": "transformers.DynamicCache"}
+        return {"cache": "transformers.QuantizedCache", "backend": "quanto", "nbits": self.nbits,
+                "q_group_size": 64, "residual_length": 128}
+
+    @contextlib.contextmanager
+    def active(self, model) -> Iterator[None]:
+        """The model set up for this row (patched for torchkv rows)."""
+        if self.pipeline is None:
+            yield
+        else:
+            with patched(model, self.pipeline):
+                yield
+
+    def new_cache(self, model, simulated: bool = False) -> Cache:
+        """A fresh cache; `simulated` quantizes every token before any query reads it (torchkv rows)."""
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            if simulated:
+                pipe = copy.copy(pipe)
+                pipe.residual, pipe.sinks = 0, 0
+            return new_cache(model, pipe, simulated)
+        if self.nbits is None:
+            return DynamicCache(config=model.config)
+        try:
+            return QuantizedCache(backend="quanto", config=model.config, nbits=self.nbits)
+        except ImportError as err:
+            raise ImportError("the quanto baselines need optimum-quanto: pip install optimum-quanto") from err
+
+
+def method(name: str) -> Method:
+    """A row by name: a baseline name (see `BASELINES`) or a torchkv preset."""
+    if name in BASELINES:
+        return Method(name, nbits=BASELINES[name])
+    return Method(name, pipeline=KVPipeline.from_preset(name))
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes of storage of every tensor a cache holds, quanto's packed tensors included."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+
+    def storage(t) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        if hasattr(t, "__tensor_flatten__"):  # a tensor subclass: count its inner tensors
+            return sum(storage(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.untyped_storage().nbytes()
+
+    total = 0
+    for layer in cache.layers:
+        for value in vars(layer).values():
+            total += storage(value)
+    return total

@@ -1,0 +1,138 @@
+"""`torchkv eval`: every row measured on the same model in one run, written to JSON row by row."""
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+import torchkv
+from torchkv.eval.data import SPLITS, documents
+from torchkv.eval.perplexity import perplexity
+from torchkv.eval.retrieval import cases, retrieval
+from torchkv.eval.rows import Method, method
+from torchkv.eval.speed import generation_profile
+from torchkv.models.loader import load_model
+
+REFERENCE = "dynamic"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Sample sizes. Defaults: DESIGN §7 (2 x 2,048-token documents and one of 8,192, 64-token blocks)."""
+
+    ppl_docs: dict[int, int] = dataclasses.field(default_factory=lambda: {2048: 2, 8192: 1})
+    block: int = 64
+    simulated: bool = False
+    retrieval_contexts: tuple[int, ...] = (2048, 4096)
+    retrieval_cases: int = 50
+    speed_contexts: tuple[int, ...] = (4096,)
+    new_tokens: int = 32
+    seed: int = 0
+    split: str = "eval"
+
+    def __post_init__(self):
+        if self.split != "eval":
+            raise ValueError(
+                f"evaluation runs on the held-out 'eval' split only; '{self.split}' is "
+                f"{'the calibration split, used to fit pipelines' if self.split == 'calibration' else 'unknown'}"
+                f" (splits: {', '.join(SPLITS)})"
+            )
+
+    def contexts(self) -> list[int]:
+        return sorted({*self.ppl_docs, *self.retrieval_contexts, *self.speed_contexts})
+
+
+QUICK = EvalSettings(ppl_docs={2048: 1}, retrieval_contexts=(2048,), retrieval_cases=10, speed_contexts=(2048,),
+                     new_tokens=16)
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _write(path: Path | None, results: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2))
+        tmp.replace(path)
+
+
+def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, case_sets: dict, progress: bool) -> dict:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    out: dict = {"name": row.name, "kind": row.kind, "config": row.config()}
+    if row.pipeline is not None:
+        out["bits_per_value"] = dataclasses.asdict(row.pipeline.bits_per_value(config.num_key_value_heads, head_dim))
+    started = time.perf_counter()
+    modes = ["streaming"] + (["simulated"] if settings.simulated and row.kind == "torchkv" else [])
+    out["ppl"] = {
+        mode: {str(length): perplexity(model, documents(tokenizer, length, count), row, settings.block,
+                                       simulated=mode == "simulated", progress=progress)
+               for length, count in sorted(settings.ppl_docs.items())}
+        for mode in modes
+    }
+    out["retrieval"] = {str(c): retrieval(model, case_sets[c], row, progress) for c in settings.retrieval_contexts}
+    out["generation"] = [generation_profile(model, tokenizer, row, c, settings.new_tokens)
+                         for c in settings.speed_contexts]
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def run_eval(
+    model_name: str,
+    names: list[str],
+    settings: EvalSettings = EvalSettings(),
+    out: Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Evaluate the full-precision reference and every named row; return (and write) the results."""
+    rows = [method(REFERENCE)] + [method(n) for n in names if n != REFERENCE]  # resolves every name first
+    model, tokenizer = load_model(model_name)
+    limit = model.config.max_position_embeddings
+    if max(settings.contexts()) > limit:
+        raise ValueError(f"context {max(settings.contexts())} exceeds {model_name}'s limit of {limit} positions")
+    torch.manual_seed(settings.seed)
+    case_sets = {c: cases(tokenizer, c, settings.retrieval_cases, settings.seed) for c in settings.retrieval_contexts}
+    results = {
+        "meta": {
+            "torchkv": torchkv.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "commit": _commit(), "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
+            "values_per_token": 2 * model.config.num_hidden_layers * model.config.num_key_value_heads
+            * (getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads),
+            "machine": machine(), "settings": dataclasses.asdict(settings), "reference": REFERENCE,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        "rows": [],
+    }
+    for row in rows:
+        results["rows"].append(evaluate_row(model, tokenizer, row, settings, case_sets, progress))
+        _write(out, results)  # an interrupted run keeps the rows already finished
+    return results
