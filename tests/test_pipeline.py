@@ -79,13 +79,13 @@ def test_bad_tensors():
 
 def test_save_and_load_roundtrip(tmp_path):
     pipe = KVPipeline.from_preset("kivi-4bit", residual=32)
-    pipe.keys.transforms[0].params = {"layer0.offset": torch.arange(4.0)}
+    pipe.keys.transforms[0].params = {"0.offset": torch.arange(4.0)}
     pipe.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "torchkv_config.json").read_text())
     assert config["version"] == 1 and config["name"] == "kivi-4bit" and config["residual"] == 32
     loaded = KVPipeline.from_pretrained(tmp_path)
     assert repr(loaded) == repr(pipe)
-    assert torch.equal(loaded.keys.transforms[0].params["layer0.offset"], torch.arange(4.0))
+    assert torch.equal(loaded.keys.transforms[0].params["0.offset"], torch.arange(4.0))
     k, v = _kv()
     a, b = pipe.encode_chunk(k, v), loaded.encode_chunk(k, v)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from torchkv import registry
+from torchkv._compat import recompile_headroom
 from torchkv.transforms import Context, Transform, build
 
 CONFIG_FILE = "torchkv_config.json"
@@ -17,7 +18,7 @@ PARAMS_FILE = "torchkv_params.safetensors"
 FORMAT_VERSION = 1
 DEFAULT_PRESET = "kivi-4bit"
 #: compiled code rounds through the stored metadata dtypes exactly as eager does
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
 
 
 def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -64,6 +65,45 @@ class Chain:
     def requires(self) -> frozenset[str]:
         return frozenset().union(*(t.requires for t in self.transforms))
 
+    @property
+    def fused(self) -> bool:
+        """Decode attention can read the encoded form directly: linear transforms, then a quantizer with
+        `scores`/`weighted_sum`, then a planar pack."""
+        if len(self.transforms) < 2:
+            return False
+        *prefix, quantizer, pack = self.transforms
+        return (
+            pack.kind == "pack"
+            and getattr(pack, "planar", False)
+            and hasattr(quantizer, "scores")
+            and all(t.linear for t in prefix)
+        )
+
+    def _ctx(self, i: int, dim: int, params: Mapping, prepared: Mapping, valid=None, inputs=None) -> Context:
+        return Context(dim, _sub(params, f"{i}."), _sub(prepared, f"{i}."), valid, inputs or {})
+
+    def scores(
+        self, q: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping
+    ) -> torch.Tensor:
+        """Scores of `q: [B, H, g, dim]` against the encoded tokens (state viewed by chunk): [B, H, g, NC, C]."""
+        *prefix, quantizer, _ = self.transforms
+        dims = self.dims(dim)
+        for i, t in enumerate(prefix):
+            q = t.map_query(q, self._ctx(i, dims[i], params, prepared))
+        return quantizer.scores(q, state["out"], _sub(state, f"{len(prefix)}."))
+
+    def weighted_sum(
+        self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping
+    ) -> torch.Tensor:
+        """`Σ_t p_t x̂_t` over the encoded tokens for `p: [B, H, g, NC, C]`: [B, H, g, dim] float32."""
+        *prefix, quantizer, _ = self.transforms
+        dims = self.dims(dim)
+        qi = len(prefix)
+        out = quantizer.weighted_sum(p, state["out"], _sub(state, f"{qi}."), self._ctx(qi, dims[qi], params, prepared))
+        for i in reversed(range(qi)):
+            out = prefix[i].map_output(out, self._ctx(i, dims[i], params, prepared))
+        return out
+
     def dims(self, dim: int) -> list[int]:
         """Input feature size of every transform for a chain input of size `dim`."""
         sizes = []
@@ -73,13 +113,13 @@ class Chain:
         return sizes
 
     def prepare(
-        self, x: torch.Tensor, layer: int, valid: torch.Tensor | None, inputs: Mapping[str, torch.Tensor]
+        self, x: torch.Tensor, params: Mapping, valid: torch.Tensor | None, inputs: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Per-sequence state of every transform that prepares, from the prompt's tensors `x: [B, H, T, F]`."""
         last = max((i for i, t in enumerate(self.transforms) if t.needs_prepare), default=-1)
         prepared: dict[str, torch.Tensor] = {}
         for i, (t, dim) in enumerate(zip(self.transforms[: last + 1], self.dims(x.shape[-1]))):
-            ctx = Context(dim, layer, {}, valid, inputs)
+            ctx = self._ctx(i, dim, params, {}, valid, inputs)
             own = t.prepare(x, ctx)
             prepared.update(_prefixed(own, f"{i}."))
             if i < last:
@@ -89,7 +129,7 @@ class Chain:
     def encode(
         self,
         x: torch.Tensor,
-        layer: int,
+        params: Mapping[str, torch.Tensor],
         prepared: Mapping[str, torch.Tensor],
         valid: torch.Tensor | None,
         inputs: Mapping[str, torch.Tensor],
@@ -97,7 +137,7 @@ class Chain:
         """`x: [B, H, T, F]` -> encoded state (tensors with batch at dim 0, tokens at dim 2)."""
         state: dict[str, torch.Tensor] = {}
         for i, (t, dim) in enumerate(zip(self.transforms, self.dims(x.shape[-1]))):
-            x, own = t.encode(x, Context(dim, layer, _sub(prepared, f"{i}."), valid, inputs))
+            x, own = t.encode(x, self._ctx(i, dim, params, prepared, valid, inputs))
             state.update(_prefixed(own, f"{i}."))
         state["out"] = x
         return state
@@ -106,7 +146,7 @@ class Chain:
         self,
         state: Mapping[str, torch.Tensor],
         dim: int,
-        layer: int,
+        params: Mapping[str, torch.Tensor],
         prepared: Mapping[str, torch.Tensor],
         inputs: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
@@ -114,7 +154,7 @@ class Chain:
         y = state["out"]
         dims = self.dims(dim)
         for i in reversed(range(len(self.transforms))):
-            ctx = Context(dims[i], layer, _sub(prepared, f"{i}."), None, inputs)
+            ctx = self._ctx(i, dims[i], params, prepared, None, inputs)
             y = self.transforms[i].decode(y, _sub(state, f"{i}."), ctx)
         return y.float()
 
@@ -141,7 +181,8 @@ class KVPipeline:
         sinks: first tokens of the sequence kept in full precision.
         chunk: tokens encoded together; a multiple of every transform's token group.
             Default: the smallest such multiple.
-        compile: run encode/decode through `torch.compile(fullgraph=True)`.
+        compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
+            attention then reads packed codes directly when both chains allow it (`fused`).
     """
 
     def __init__(
@@ -152,7 +193,7 @@ class KVPipeline:
         residual: int = 128,
         sinks: int = 0,
         chunk: int | None = None,
-        compile: bool = False,
+        compile: bool = True,
     ):
         self.keys, self.values = Chain(keys), Chain(values)
         for arg, value in (("residual", residual), ("sinks", sinks)):
@@ -172,8 +213,10 @@ class KVPipeline:
     # -- presets -------------------------------------------------------------------------------------
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "KVPipeline":
-        """The preset `name` (see `torchkv.presets()`), with keyword overrides of its options."""
+    def from_preset(cls, name: str, *, compile: bool = True, **overrides: Any) -> "KVPipeline":
+        """The preset `name` (see `torchkv.presets()`), with keyword overrides of its options.
+
+        `compile=False` runs eagerly (no compilation, no packed-code decode attention)."""
         import torchkv.methods  # noqa: F401  (fills the preset registry)
 
         preset = registry.preset(name)
@@ -182,7 +225,7 @@ class KVPipeline:
         if unknown:
             raise ValueError(f"preset '{name}' has no option(s) {unknown}; valid options: {sorted(options)}")
         pipe = preset.build(**overrides)
-        pipe.name, pipe.options = name, {**options, **overrides}
+        pipe.name, pipe.options, pipe.compile = name, {**options, **overrides}, compile
         return pipe
 
     # -- encode / decode -----------------------------------------------------------------------------
@@ -206,21 +249,23 @@ class KVPipeline:
         inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-sequence state from the prompt's keys and values `[B, H, T, D]` (SVDq basis, SQuat subspace)."""
-        inputs = inputs or {}
+        inputs, params = inputs or {}, self.layer_params(layer)
         return {
-            **_prefixed(self.keys.prepare(k, layer, valid, inputs), "k."),
-            **_prefixed(self.values.prepare(v, layer, valid, inputs), "v."),
+            **_prefixed(self.keys.prepare(k, _sub(params, "k."), valid, inputs), "k."),
+            **_prefixed(self.values.prepare(v, _sub(params, "v."), valid, inputs), "v."),
         }
 
-    def _encode(self, k, v, layer, prepared, valid, inputs):
+    # The compiled functions take per-layer tensors, never the layer index, so that one graph serves all layers.
+
+    def _encode(self, k, v, params, prepared, valid, inputs):
         return {
-            **_prefixed(self.keys.encode(k, layer, _sub(prepared, "k."), valid, inputs), "k."),
-            **_prefixed(self.values.encode(v, layer, _sub(prepared, "v."), valid, inputs), "v."),
+            **_prefixed(self.keys.encode(k, _sub(params, "k."), _sub(prepared, "k."), valid, inputs), "k."),
+            **_prefixed(self.values.encode(v, _sub(params, "v."), _sub(prepared, "v."), valid, inputs), "v."),
         }
 
-    def _decode(self, state, head_dim, layer, prepared, inputs):
-        k = self.keys.decode(_sub(state, "k."), head_dim, layer, _sub(prepared, "k."), inputs)
-        v = self.values.decode(_sub(state, "v."), head_dim, layer, _sub(prepared, "v."), inputs)
+    def _decode(self, state, head_dim, params, prepared, inputs):
+        k = self.keys.decode(_sub(state, "k."), head_dim, _sub(params, "k."), _sub(prepared, "k."), inputs)
+        v = self.values.decode(_sub(state, "v."), head_dim, _sub(params, "v."), _sub(prepared, "v."), inputs)
         return k, v
 
     def _run(self, name: str, *args):
@@ -228,8 +273,64 @@ class KVPipeline:
         if not self.compile:
             return fn(*args)
         if name not in self._compiled:
-            self._compiled[name] = torch.compile(fn, fullgraph=True, dynamic=None, options=COMPILE_OPTIONS)
-        return self._compiled[name](*args)
+            # static shapes except the axes callers mark dynamic: automatic dynamic would also generalize
+            # axes that differ between pipelines (code widths), which stops Inductor vectorizing
+            self._compiled[name] = torch.compile(fn, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+        with recompile_headroom():
+            return self._compiled[name](*args)
+
+    @property
+    def fused(self) -> bool:
+        """Compiled decode attention reads both chains' encoded forms without reconstructing them."""
+        return self.compile and self.keys.fused and self.values.fused
+
+    def _attend_decode(self, q, encoded, k_fp, v_fp, mask, scale, softcap, params, prepared):
+        b, hq, _, d = q.shape
+        h = k_fp.shape[1]
+        qg = q.reshape(b, h, hq // h, d).float() * scale  # [B, H, g, D]
+        s_enc = self.keys.scores(qg, _sub(encoded, "k."), d, _sub(params, "k."), _sub(prepared, "k."))
+        nc, c = s_enc.shape[-2:]
+        scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        p = torch.softmax(scores, -1)
+        p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
+        out = self.values.weighted_sum(p_enc, _sub(encoded, "v."), d, _sub(params, "v."), _sub(prepared, "v."))
+        out = out + p[..., nc * c :] @ v_fp.float()
+        return out.reshape(b, hq, 1, d).to(q.dtype)
+
+    def attend_decode(
+        self,
+        q: torch.Tensor,
+        encoded: Mapping[str, torch.Tensor],
+        k_fp: torch.Tensor,
+        v_fp: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
+        layer: int = 0,
+        prepared: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One decode step of attention over encoded chunks and full-precision tokens (requires `fused`).
+
+        Args:
+            q: [B, Hq, 1, D]. encoded: state tensors viewed by chunk, `[B, *, NC, rows per chunk, ...]`.
+            k_fp, v_fp: [B, H, F, D], the full-precision tokens, which come after the encoded ones.
+            mask: [B or 1, 1, 1, NC·C + F] bool (True = attend), or None.
+
+        Returns:
+            [B, Hq, 1, D], q's dtype.
+        """
+        for t in (*encoded.values(), k_fp, v_fp):
+            torch._dynamo.maybe_mark_dynamic(t, 2)  # one graph for every number of chunks and window size
+        if mask is not None:
+            torch._dynamo.maybe_mark_dynamic(mask, 3)
+        return self._run(
+            "_attend_decode", q, dict(encoded), k_fp, v_fp, mask, scale, softcap, self.layer_params(layer),
+            dict(prepared or {}),
+        )
 
     def encode_chunk(
         self,
@@ -248,7 +349,10 @@ class KVPipeline:
         _check_kv(k, v)
         if k.shape[2] % self.chunk:
             raise ValueError(f"encode_chunk got {k.shape[2]} tokens; it takes a multiple of chunk={self.chunk}")
-        return self._run("_encode", k, v, layer, dict(prepared or {}), valid, dict(inputs or {}))
+        for t in (k, v, valid, *(inputs or {}).values()):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
+        return self._run("_encode", k, v, self.layer_params(layer), dict(prepared or {}), valid, dict(inputs or {}))
 
     def decode_chunk(
         self,
@@ -260,7 +364,11 @@ class KVPipeline:
         inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of `encode_chunk`: `(k, v)`, each `[B, H, T, head_dim]` float32."""
-        return self._run("_decode", dict(state), head_dim, layer, dict(prepared or {}), dict(inputs or {}))
+        for t in (*state.values(), *(inputs or {}).values()):
+            torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
+        return self._run(
+            "_decode", dict(state), head_dim, self.layer_params(layer), dict(prepared or {}), dict(inputs or {})
+        )
 
     # -- accounting ----------------------------------------------------------------------------------
 
@@ -271,8 +379,9 @@ class KVPipeline:
         inputs = {}
         if {"cos", "sin"} & self.requires:  # the identity rotation: position 0 everywhere
             inputs = {"cos": torch.ones(1, self.chunk, head_dim), "sin": torch.zeros(1, self.chunk, head_dim)}
-        prepared = self.prepare(k, v, inputs=inputs) if self.needs_prepare else {}
-        state = self.encode_chunk(k, v, prepared=prepared, inputs=inputs)
+        with torch.no_grad():
+            prepared = self.prepare(k, v, inputs=inputs) if self.needs_prepare else {}
+            state = self._encode(k, v, self.layer_params(0), prepared, None, inputs)  # eager: accounting only
         n = k.numel()
         return BitsPerValue(8 * _nbytes(_sub(state, "k.")) / n, 8 * _nbytes(_sub(state, "v.")) / n)
 
@@ -291,6 +400,14 @@ class KVPipeline:
             "keys": [t.spec() for t in self.keys.transforms],
             "values": [t.spec() for t in self.values.transforms],
         }
+
+    def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
+        """Fitted parameters of one layer, keyed "k.{i}.{name}" / "v.{i}.{name}"."""
+        out = {}
+        for side, chain in (("k", self.keys), ("v", self.values)):
+            for i, t in enumerate(chain.transforms):
+                out.update(_prefixed(t.layer_params(layer), f"{side}.{i}."))
+        return out
 
     def params(self) -> dict[str, torch.Tensor]:
         """Fitted parameters of every transform, keyed "k.{i}.{name}" / "v.{i}.{name}"."""

@@ -180,6 +180,19 @@ class KVStore:
             vs.append(self.res_v[:, :, : self.n_residual])
         return torch.cat(ks, 2), torch.cat(vs, 2)
 
+    def encoded_by_chunk(self) -> dict[str, torch.Tensor]:
+        """The encoded state viewed by chunk: each `[B, *, rows, ...]` as `[B, *, NC, rows / NC, ...]` (no copy)."""
+        chunks = self.n_encoded // self.pipeline.chunk
+        return {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in self.encoded.items()}
+
+    def full_precision(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sinks, window and the new tokens, in order: `(k, v)` each `[B, H, sinks + window + new, D]`."""
+        ks = ([self.sink_k] if self.n_sinks else []) + [self.res_k[:, :, : self.n_residual], k_new]
+        vs = ([self.sink_v] if self.n_sinks else []) + [self.res_v[:, :, : self.n_residual], v_new]
+        if self.n_residual == 0:
+            ks, vs = ks[:-2] + ks[-1:], vs[:-2] + vs[-1:]
+        return torch.cat(ks, 2), torch.cat(vs, 2)
+
     # -- accounting ----------------------------------------------------------------------------------
 
     def tensors(self) -> dict[str, torch.Tensor]:

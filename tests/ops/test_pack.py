@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchkv.ops import PACK_BITS, pack_bits, packed_size, unpack_bits
+from torchkv.ops import PACK_BITS, pack_bits, packed_size, unpack_bits, unpack_planes
 
 
 @given(st.sampled_from(PACK_BITS), st.integers(1, 70), st.integers(0, 2**31 - 1))
@@ -21,9 +21,12 @@ def test_density(bits, codes_per_bytes):
     assert packed_size(64, bits) == 64 * bits // 8
 
 
-def test_known_layout_little_end_first():
-    codes = torch.tensor([1, 2, 3, 0], dtype=torch.uint8)
-    assert pack_bits(codes, 2).tolist() == [1 | 2 << 2 | 3 << 4]
+def test_known_layouts():
+    # planar: byte j holds code i*m + j of every plane i (m = n / codes per byte)
+    codes = torch.tensor([1, 2, 3, 0, 2, 1, 0, 3], dtype=torch.uint8)
+    assert pack_bits(codes, 2).tolist() == [1 | 3 << 2 | 2 << 4 | 0 << 6, 2 | 0 << 2 | 1 << 4 | 3 << 6]
+    assert unpack_planes(pack_bits(codes, 2), 2).tolist() == [[1, 2], [3, 0], [2, 1], [0, 3]]
+    # words: 3-bit codes fill 3 bytes per 8 codes, little end first
     three = torch.arange(8, dtype=torch.uint8)
     value = sum(c << (3 * i) for i, c in enumerate(range(8)))
     assert pack_bits(three, 3).tolist() == [value & 255, value >> 8 & 255, value >> 16]

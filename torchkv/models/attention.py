@@ -6,15 +6,21 @@ for prefill or a small dense mask for decode, over the absolute positions of the
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
 from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
 
 ATTENTION_NAME = "torchkv"
+#: kernels for prompt (multi-token) attention: FlexAttention with the model's mask_mod as a BlockMask, or
+#: torch's SDPA with the same mask made dense (is_causal where it is plain causal). "auto" picks SDPA on
+#: CPU, where the compiled FlexAttention template measured ~2.8x slower than SDPA's causal kernel at 4K
+#: tokens (torch 2.13), and FlexAttention on GPUs.
+PREFILL_KERNELS = ("auto", "flex", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -30,17 +36,26 @@ class MaskSpec:
     rule: Callable
     padding: torch.Tensor | None
     q_offset: int
+    _dense: dict = field(default_factory=dict, compare=False, repr=False)  # every layer asks for the same
+
+    @property
+    def causal(self) -> bool:
+        """The plain causal rule with no padding (what `is_causal` kernels implement)."""
+        return self.rule is causal_mask_function and self.padding is None
 
     def dense(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-        """[B or 1, 1, Q, N] bool, by broadcasting the rule over index grids."""
-        q = torch.arange(self.q_offset, self.q_offset + q_len, device=device)[None, None, :, None]
-        kv = torch.arange(kv_len, device=device)[None, None, None, :]
-        batch = 1 if self.padding is None else self.padding.shape[0]
-        b = torch.arange(batch, device=device)[:, None, None, None]
-        allowed = self.rule(b, torch.zeros_like(b), q, kv)
-        if self.padding is not None:
-            allowed = allowed & self.padding[:, None, None, :kv_len]
-        return allowed.expand(batch, 1, q_len, kv_len)
+        """[B or 1, 1, Q, N] bool, by broadcasting the rule over index grids (computed once per forward)."""
+        key = (q_len, kv_len, str(device))
+        if key not in self._dense:
+            q = torch.arange(self.q_offset, self.q_offset + q_len, device=device)[None, None, :, None]
+            kv = torch.arange(kv_len, device=device)[None, None, None, :]
+            batch = 1 if self.padding is None else self.padding.shape[0]
+            b = torch.arange(batch, device=device)[:, None, None, None]
+            allowed = self.rule(b, torch.zeros_like(b), q, kv)
+            if self.padding is not None:
+                allowed = allowed & self.padding[:, None, None, :kv_len]
+            self._dense[key] = allowed.expand(batch, 1, q_len, kv_len)
+        return self._dense[key]
 
     def mask_mod(self, device: torch.device, q_start: int = 0, kv_start: int = 0, padded: bool = False) -> Callable:
         """A FlexAttention mask_mod for queries from index `q_start` and keys from index `kv_start`.
@@ -67,7 +82,7 @@ class MaskSpec:
     def left_padding(self) -> list[int] | None:
         """Pad count of each row when every row is pads then tokens (left padding), else None."""
         if self.padding is None:
-            return [0]
+            raise ValueError("no padding")
         starts = self.padding.int().argmax(-1)
         rows = torch.arange(self.padding.shape[-1], device=self.padding.device)[None]
         is_left = torch.equal(self.padding, rows >= starts[:, None])
@@ -97,12 +112,10 @@ def torchkv_mask(
     return MaskSpec(mask_function, padding, int(q_offset))
 
 
-def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | None):
-    """Attention of `query` [B, Hq, Q, D] over `keys`/`values` [B, H, N, D] (the last Q are the queries' own)."""
+def _flex(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | None):
+    """Prompt attention with FlexAttention; left-padded rows run one by one over their own tokens."""
     q_len, kv_len = query.shape[2], keys.shape[2]
     device = query.device
-    if q_len == 1:
-        return attend_dense(query, keys, values, spec.dense(q_len, kv_len, device), scaling, softcap)[0]
     if spec.padding is None:
         block_mask = block_mask_from(spec.mask_mod(device), None, q_len, kv_len, device)
         return flex_prefill(query, keys, values, block_mask, scaling, softcap)
@@ -110,7 +123,6 @@ def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float 
     if starts is None:  # padding inside the sequence: one graph per shape
         block_mask = block_mask_from(spec.mask_mod(device, padded=True), query.shape[0], q_len, kv_len, device)
         return flex_prefill(query, keys, values, block_mask, scaling, softcap, dynamic=False)
-    # left padding: attend row by row over the row's own tokens, in the shape-generic graph
     out = torch.zeros_like(query)
     for b, start in enumerate(starts):
         first_query = max(0, start - spec.q_offset)
@@ -123,6 +135,54 @@ def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float 
             block_mask, scaling, softcap,
         )
     return out
+
+
+def _sdpa(query, keys, values, spec: MaskSpec, scaling: float):
+    """Prompt attention with SDPA: `is_causal` for a fresh causal prompt (row by row when left-padded),
+    else the mask made dense. Rows with nothing to attend to (padding) come out as zeros."""
+    q_len, kv_len = query.shape[2], keys.shape[2]
+    gqa = query.shape[1] != keys.shape[1]
+    fresh_causal = spec.rule is causal_mask_function and q_len == kv_len
+    if fresh_causal and spec.padding is None:
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
+    starts = spec.left_padding() if fresh_causal else None
+    if starts is not None:
+        out = torch.zeros_like(query)
+        for b, start in enumerate(starts):
+            if start < kv_len:
+                out[b : b + 1, :, start:] = F.scaled_dot_product_attention(
+                    query[b : b + 1, :, start:], keys[b : b + 1, :, start:], values[b : b + 1, :, start:],
+                    is_causal=True, scale=scaling, enable_gqa=gqa,
+                )
+        return out
+    mask = spec.dense(q_len, kv_len, query.device)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.nan_to_num(0.0)
+
+
+def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | None, kernel: str = "auto"):
+    """Attention of `query` [B, Hq, Q, D] over `keys`/`values` [B, H, N, D] (the last Q are the queries' own)."""
+    if query.shape[2] == 1:
+        mask = spec.dense(1, keys.shape[2], query.device)
+        return attend_dense(query, keys, values, mask, scaling, softcap)[0]
+    if kernel == "auto":
+        kernel = "sdpa" if query.device.type == "cpu" else "flex"
+    if kernel == "sdpa" and softcap is None:  # SDPA has no logit soft-capping
+        return _sdpa(query, keys, values, spec, scaling)
+    return _flex(query, keys, values, spec, scaling, softcap)
+
+
+def _fused_decode(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
+    """One decode step reading the packed codes directly (see `KVPipeline.attend_decode`)."""
+    mask = None
+    if not spec.causal:  # the causal rule allows every cached token to the newest query
+        n_sinks, n_enc = store.n_sinks, store.n_encoded
+        dense = spec.dense(1, store.length + 1, query.device)  # absolute order: sinks, encoded, window, new
+        mask = torch.cat([dense[..., n_sinks : n_sinks + n_enc], dense[..., :n_sinks], dense[..., n_sinks + n_enc :]], -1)
+    k_fp, v_fp = store.full_precision(k_new, v_new)
+    return store.pipeline.attend_decode(
+        query, store.encoded_by_chunk(), k_fp, v_fp, mask, scaling, softcap, store.layer, store.prepared
+    )
 
 
 def torchkv_attention(
@@ -152,22 +212,28 @@ def torchkv_attention(
     if not isinstance(key, TorchKVLayer):
         out = _attend(query, key, value, attention_mask, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
+    kernel = key.prefill_kernel
 
     layer = key
     store = layer.store
     k_new, v_new = layer.pending
     start = store.length
     commit = (attention_mask.valid(start, start + k_new.shape[2]), kwargs.get("position_ids"), {"queries": query})
+    if query.shape[2] == 1 and store.n_encoded and store.pipeline.fused and not layer.simulated:
+        out = _fused_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
+        layer.commit(*commit)
+        return out.transpose(1, 2).contiguous(), None
     if layer.simulated:  # every token, the queries' own included, is read in its stored form
         layer.commit(*commit)
         keys, values = store.history()
-        return _attend(query, keys, values, attention_mask, scaling, softcap).transpose(1, 2).contiguous(), None
+        out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
+        return out.transpose(1, 2).contiguous(), None
     if store.length:
         k_old, v_old = store.history()
         keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
     else:
         keys, values = k_new, v_new
-    out = _attend(query, keys, values, attention_mask, scaling, softcap)
+    out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
     layer.commit(*commit)
     return out.transpose(1, 2).contiguous(), None
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from torchkv.models.attention import PREFILL_KERNELS
 from torchkv.pipeline import KVPipeline
 from torchkv.store import KVStore, RopeFn
 
@@ -27,11 +28,13 @@ class TorchKVLayer(CacheLayerMixin):
         rope: RopeFn | None = None,
         is_sliding: bool = False,
         simulated: bool = False,
+        prefill_kernel: str = "auto",
     ):
         super().__init__()
         self.store = KVStore(pipeline, layer_idx, rope)
         self.is_sliding = is_sliding
         self.simulated = simulated
+        self.prefill_kernel = prefill_kernel
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -105,6 +108,7 @@ class TorchKVCache(Cache):
         simulated: new tokens are stored before they are attended to, so queries read every token in
             its compressed form (how papers report "simulated quantization" perplexity; use with
             residual 0 and no sinks).
+        prefill_kernel: multi-token attention kernel, one of `attention.PREFILL_KERNELS`.
     """
 
     def __init__(
@@ -114,10 +118,13 @@ class TorchKVCache(Cache):
         rope: Callable[[int], RopeFn] | None = None,
         sliding: list[bool] | None = None,
         simulated: bool = False,
+        prefill_kernel: str = "auto",
     ):
+        if prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
         sliding = sliding or [False] * num_layers
         layers = [
-            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated)
+            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from torchkv.models import arch
-from torchkv.models.attention import ATTENTION_NAME, register
+from torchkv.models.attention import ATTENTION_NAME, PREFILL_KERNELS, register
 from torchkv.models.cache import TorchKVCache
 from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
 
@@ -27,6 +27,7 @@ class _Patch:
     pipeline: KVPipeline
     previous_attention: str
     hook: RemovableHandle
+    prefill_kernel: str
 
 
 _PATCHES: "weakref.WeakKeyDictionary[nn.Module, _Patch]" = weakref.WeakKeyDictionary()
@@ -74,10 +75,8 @@ def new_cache(
     """An empty compressed cache for `model` (the patched pipeline by default), to pass as `past_key_values`.
 
     `simulated` stores new tokens before attending to them (see `TorchKVCache`)."""
-    if pipeline is None and model in _PATCHES:
-        pipe = _PATCHES[model].pipeline
-    else:
-        pipe = resolve_pipeline(pipeline)
+    state = _PATCHES.get(model)
+    pipe = state.pipeline if pipeline is None and state is not None else resolve_pipeline(pipeline)
     config = model.config.get_text_config(decoder=True)
     rope = None
     if {"cos", "sin"} & pipe.requires:
@@ -85,7 +84,8 @@ def new_cache(
         def rope(layer_idx: int):
             return arch.rope_fn(model, layer_idx)
 
-    return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated)
+    kernel = "auto" if state is None else state.prefill_kernel
+    return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel)
 
 
 def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict):
@@ -107,18 +107,23 @@ def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs:
     return None
 
 
-def patch(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None) -> nn.Module:
+def patch(
+    model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None, prefill_kernel: str = "auto"
+) -> nn.Module:
     """Make `model` use a compressed KV cache in `forward(use_cache=True)` and `generate`.
 
     Args:
         model: a Hugging Face decoder-only causal LM (see `torchkv.models.arch.ARCHITECTURES`).
         pipeline: a `KVPipeline`, a preset name, a folder written by `save_pretrained`, or None for
             the default preset. Patching an already patched model replaces its pipeline.
+        prefill_kernel: "flex", "sdpa" or "auto" (see `torchkv.models.attention.PREFILL_KERNELS`).
 
     Returns:
         the same model object.
     """
     arch.attention_modules(model)  # raises a clear error for unsupported models
+    if prefill_kernel not in PREFILL_KERNELS:
+        raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
     pipe = resolve_pipeline(pipeline)
     _check_compatible(model, pipe)
     if model in _PATCHES:
@@ -133,7 +138,7 @@ def patch(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None) -
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: _use_torchkv_cache(model, module, args, kwargs), with_kwargs=True
     )
-    _PATCHES[model] = _Patch(pipe, previous, hook)
+    _PATCHES[model] = _Patch(pipe, previous, hook, prefill_kernel)
     return model
 
 
@@ -154,9 +159,11 @@ def pipeline_of(model: nn.Module) -> KVPipeline | None:
 
 
 @contextlib.contextmanager
-def patched(model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None) -> Iterator[nn.Module]:
+def patched(
+    model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None, prefill_kernel: str = "auto"
+) -> Iterator[nn.Module]:
     """`with torchkv.patched(model, "kivi-2bit"): model.generate(...)` — unpatched on exit."""
-    patch(model, pipeline)
+    patch(model, pipeline, prefill_kernel)
     try:
         yield model
     finally:

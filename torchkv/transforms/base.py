@@ -20,14 +20,14 @@ class Context:
 
     Attributes:
         dim: size F of the last axis of this transform's input (static per chain).
-        layer: model layer index, for per-layer fitted parameters.
+        params: this transform's fitted parameters for the current layer (see `Transform.params`).
         prepared: per-sequence state this transform returned from `prepare`.
         valid: [B, T] bool, False at padding positions (encode and prepare only).
         inputs: model-side tensors a method asked for (e.g. "queries": [B, Hq, T, D]).
     """
 
     dim: int
-    layer: int = 0
+    params: Mapping[str, torch.Tensor] = field(default_factory=dict)
     prepared: Mapping[str, torch.Tensor] = field(default_factory=dict)
     valid: torch.Tensor | None = None
     inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
@@ -64,7 +64,13 @@ class Transform:
                 f"{self.kind}.{self.name} got unknown option(s) {unknown}; valid options: {sorted(fields)}"
             )
         self.config = self.Config(**config)
+        #: fitted parameters, keyed "{layer}.{name}" (what `save_pretrained` writes)
         self.params: dict[str, torch.Tensor] = {}
+
+    def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
+        """The fitted parameters of one layer, keyed by name."""
+        prefix = f"{layer}."
+        return {k[len(prefix) :]: v for k, v in self.params.items() if k.startswith(prefix)}
 
     def out_dim(self, dim: int) -> int:
         """Size of the last axis of `encode`'s output for an input of size `dim`."""
@@ -81,6 +87,19 @@ class Transform:
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         """Inverse of `encode`: the next transform's decoded output and this one's state -> `[B, H, T, F]`."""
         raise NotImplementedError
+
+    # -- attention over the encoded form (decode), optional ------------------------------------------
+    #: a linear map of the features: scores and weighted sums can be computed in the encoded space
+    #: through `map_query` / `map_output` (rotations, projections).
+    linear: ClassVar[bool] = False
+
+    def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """`q': [..., F']` with `q · x = q' · encode(x)` for every x (linear transforms only)."""
+        raise NotImplementedError(f"{self.kind}.{self.name} is not linear")
+
+    def map_output(self, o: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """A weighted sum of encoded rows `[..., F']` back to `[..., F]` (linear transforms only)."""
+        raise NotImplementedError(f"{self.kind}.{self.name} is not linear")
 
     def spec(self) -> dict[str, Any]:
         """JSON-serialisable description, what `save_pretrained` writes."""

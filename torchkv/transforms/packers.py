@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchkv.ops import PACK_BITS, pack_bits, packed_size, unpack_bits
+from torchkv.ops import PACK_BITS, PLANAR_BITS, pack_bits, packed_size, unpack_bits
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, Transform, TransformConfig
 
@@ -32,6 +32,11 @@ class PackBits(Transform):
         if self.config.bits is None:
             raise ValueError("pack.bits has no width: put it after a quantizer or pass bits=...")
         return self.config.bits
+
+    @property
+    def planar(self) -> bool:
+        """Planar layout: decode attention can read the codes without unpacking them first."""
+        return self.bits in PLANAR_BITS
 
     def out_dim(self, dim: int) -> int:
         return packed_size(dim, self.bits)

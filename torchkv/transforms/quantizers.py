@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from torchkv.ops import SUPPORTED_BITS, dequantize, quantize
+from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, Transform, TransformConfig
 
@@ -82,6 +83,27 @@ class UniformQuantize(Transform):
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         cfg = self.config
         return dequantize(y, state["scale"], state.get("zero"), cfg.bits, self._dim(), cfg.group)
+
+    def scores(self, q: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Decode attention scores read from planar-packed codes.
+
+        Args:
+            q: [B, H, g, F] float32. packed: [B, H, NC, C, M] uint8; state viewed by chunk likewise.
+
+        Returns:
+            [B, H, g, NC, C] float32.
+        """
+        cfg = self.config
+        planes = code_planes(packed, cfg.bits)
+        return affine_scores(q, planes, state["scale"], state.get("zero"), cfg.bits, cfg.axis)
+
+    def weighted_sum(
+        self, p: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context
+    ) -> torch.Tensor:
+        """`Σ_t p_t x̂_t` read from planar-packed codes: p [B, H, g, NC, C] -> [B, H, g, F] float32."""
+        cfg = self.config
+        planes = code_planes(packed, cfg.bits)
+        return affine_weighted_sum(p, planes, state["scale"], state.get("zero"), cfg.bits, cfg.axis, ctx.dim)
 
 
 @dataclass(frozen=True, kw_only=True)

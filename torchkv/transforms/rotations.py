@@ -29,12 +29,19 @@ class HadamardRotate(Transform):
     """
 
     Config = HadamardConfig
+    linear = True
 
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return hadamard(x.float(), self.config.block), {}
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         return hadamard(y.float(), self.config.block)
+
+    def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return hadamard(q.float(), self.config.block)  # q·x = (qH)·(xH), H orthogonal
+
+    def map_output(self, o: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return hadamard(o.float(), self.config.block)  # H is its own inverse
 
 
 @register_transform("rotate", "pre_rope")

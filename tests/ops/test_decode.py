@@ -1,0 +1,59 @@
+"""Decode attention over packed codes equals attention over the reconstructed keys and values."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchkv.ops import dequantize, pack_bits, quantize
+from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes
+from torchkv.pipeline import COMPILE_OPTIONS
+
+
+def _by_chunk(t: torch.Tensor, chunks: int) -> torch.Tensor:
+    return t.unflatten(2, (chunks, t.shape[2] // chunks))
+
+
+@given(
+    bits=st.sampled_from([1, 2, 4, 8]),
+    axis=st.sampled_from(["channel", "token"]),
+    symmetric=st.booleans(),
+    dim=st.sampled_from([64, 32, 48]),
+    chunks=st.integers(1, 4),
+    g=st.sampled_from([1, 3]),
+    seed=st.integers(0, 1000),
+)
+def test_scores_and_weighted_sums_match_reconstruction(bits, axis, symmetric, dim, chunks, g, seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, chunk, group = 2, 3, 32, 16
+    x = torch.randn(b, h, chunks * chunk, dim, generator=gen)
+    qdim = -2 if axis == "channel" else -1
+    codes, scale, zero = quantize(x, bits, qdim, group, symmetric)
+    xhat = dequantize(codes, scale, zero, bits, qdim, group)
+    planes = code_planes(_by_chunk(pack_bits(codes, bits), chunks), bits)
+    scale_c = _by_chunk(scale, chunks)
+    zero_c = None if zero is None else _by_chunk(zero, chunks)
+    q = torch.randn(b, h, g, dim, generator=gen)
+    scores = affine_scores(q, planes, scale_c, zero_c, bits, axis)
+    expected = torch.einsum("bhgd,bhtd->bhgt", q, xhat)
+    torch.testing.assert_close(scores.flatten(-2), expected, rtol=1e-4, atol=1e-4)
+    p = torch.softmax(expected, -1)
+    out = affine_weighted_sum(p.unflatten(-1, (chunks, chunk)), planes, scale_c, zero_c, bits, axis, dim)
+    torch.testing.assert_close(out, torch.einsum("bhgt,bhtd->bhgd", p, xhat), rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_kernel_equals_eager_with_a_dynamic_chunk_axis():
+    torch.compiler.reset()
+
+    def attend(q, packed, scale, zero):
+        return affine_scores(q, code_planes(packed, 2), scale, zero, 2, "channel")
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+    for chunks in (2, 3, 7):
+        x = torch.randn(1, 3, 32 * chunks, 64)
+        codes, scale, zero = quantize(x, 2, -2, 32)
+        args = (torch.randn(1, 3, 3, 64), _by_chunk(pack_bits(codes, 2), chunks), _by_chunk(scale, chunks),
+                _by_chunk(zero, chunks))
+        for t in args[1:]:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        torch.testing.assert_close(compiled(*args), attend(*args), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,17 @@
+"""The one place that touches torch internals."""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+#: graphs one compiled torchkv function may hold (pipelines x batch sizes x dtypes x masks); the default
+#: of 8 would silently send later pipelines to slow eager code.
+RECOMPILE_LIMIT = 64
+
+
+@contextlib.contextmanager
+def recompile_headroom() -> Iterator[None]:
+    """Raise dynamo's per-function recompile limit for the duration of a torchkv compiled call only."""
+    with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+        yield

@@ -1,0 +1,121 @@
+"""Decode attention that reads packed codes directly (one query per row; no reconstructed K or V).
+
+Affine codes `x̂ = c·Δ + m` are scored without forming x̂: the scale and zero point are folded into
+the (tiny) query or probability tensors and the codes are unpacked inside the reduction, so
+torch.compile fuses unpacking, multiply and sum into one pass over the packed bytes.
+
+Codes stay in their planar form `[..., P, M]` (channel `d = i·M + j` is byte j of plane i, see
+`ops.pack`), and every per-channel vector is viewed the same way, so each plane is one vectorized
+shift-and-mask of contiguous bytes. Encoded tensors arrive viewed by chunk, `[B, H, NC, C, ...]`
+(NC chunks of C tokens): compile with the chunk axis marked dynamic, and one graph serves every length.
+"""
+
+import torch
+
+from torchkv.ops.pack import unpack_planes
+
+
+def code_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Planar-packed `[..., M]` uint8 -> codes `[..., P, M]` float32 (P = 8/bits; 8-bit codes are unpacked)."""
+    planes = packed[..., None, :] if bits == 8 else unpack_planes(packed, bits)
+    return planes.float()
+
+
+def _planar(x: torch.Tensor, planes: int, width: int) -> torch.Tensor:
+    """A per-channel `[..., D]` tensor as `[..., P, M]`, zero-padded to P·M channels."""
+    x = torch.nn.functional.pad(x.float(), (0, planes * width - x.shape[-1]))
+    return x.unflatten(-1, (planes, width))
+
+
+def _channel_groups(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    """Sum a planar `[..., P, M]` tensor over channel groups of `group` among the first `dim`: -> `[..., dim/group]`."""
+    planes, width = x.shape[-2:]
+    if planes * width == dim and group % width == 0:  # whole planes per group
+        return x.sum(-1).unflatten(-1, (-1, group // width)).sum(-1)
+    if planes * width == dim and width % group == 0:  # whole groups per plane
+        return x.unflatten(-1, (width // group, group)).sum(-1).flatten(-2)
+    return x.flatten(-2)[..., :dim].unflatten(-1, (-1, group)).sum(-1)
+
+
+def _per_group(x: torch.Tensor, group: int, planes: int, width: int) -> torch.Tensor:
+    """A per-channel-group `[..., D/group]` tensor spread to planar `[..., P, M]` (one value per channel)."""
+    return _planar(x.repeat_interleave(group, -1), planes, width)
+
+
+def _zero_point(scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """The additive term m of `x̂ = c·Δ + m` (symmetric codes: `m = -Δ·(2^b - 1)/2`)."""
+    return scale.float() * (-(2**bits - 1) / 2) if zero is None else zero.float()
+
+
+def affine_scores(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    axis: str,
+) -> torch.Tensor:
+    """`q · x̂ᵀ` for affine-quantized keys, without reconstructing them.
+
+    Args:
+        q: [B, H, g, D] float32, the g query heads reading each KV head (softmax scale folded in).
+        codes: [B, H, NC, C, P, M] float32 codes (from `code_planes`).
+        scale, zero: axis="channel" (groups of Gt tokens): [B, H, NC, C/Gt, D];
+            axis="token" (groups of G channels): [B, H, NC, C, D/G]. zero None: symmetric codes.
+
+    Returns:
+        [B, H, g, NC, C] float32.
+
+    Per channel: `Σ_d c_td·(q_d Δ_gd) + Σ_d q_d m_gd`; per token: `Σ_k Δ_tk Σ_{d∈k} q_d c_td + Σ_k m_tk Σ_{d∈k} q_d`.
+    """
+    b, h, nc, c, planes, width = codes.shape
+    g = q.shape[2]
+    zero = _zero_point(scale, zero, bits)
+    qp = _planar(q, planes, width)  # [B, H, g, P, M]
+    if axis == "channel":
+        groups = scale.shape[3]
+        qs = qp[:, :, :, None, None] * _planar(scale, planes, width)[:, :, None]  # [B, H, g, NC, C/Gt, P, M]
+        qm = (q[:, :, :, None, None, :] * zero[:, :, None]).sum(-1)  # [B, H, g, NC, C/Gt]
+        grouped = codes.view(b, h, 1, nc, groups, c // groups, planes, width)
+        return ((grouped * qs[:, :, :, :, :, None]).sum((-1, -2)) + qm[..., None]).flatten(-2)
+    dim = q.shape[-1]
+    group = dim // scale.shape[-1]
+    partial = _channel_groups(codes[:, :, None] * qp[:, :, :, None, None], group, dim)  # [B, H, g, NC, C, D/G]
+    q_sum = _channel_groups(qp, group, dim)[:, :, :, None, None]  # [B, H, g, 1, 1, D/G]
+    return (partial * scale.float()[:, :, None]).sum(-1) + (zero[:, :, None] * q_sum).sum(-1)
+
+
+def affine_weighted_sum(
+    p: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    axis: str,
+    dim: int,
+) -> torch.Tensor:
+    """`p · x̂` for affine-quantized values, without reconstructing them.
+
+    Args:
+        p: [B, H, g, NC, C] float32 attention probabilities.
+        codes, scale, zero, axis: as in `affine_scores`.
+        dim: D, the number of channels.
+
+    Returns:
+        [B, H, g, D] float32.
+    """
+    b, h, nc, c, planes, width = codes.shape
+    g = p.shape[2]
+    zero = _zero_point(scale, zero, bits)
+    if axis == "token":
+        group = dim // scale.shape[-1]
+        ps = p[..., None] * scale.float()[:, :, None]  # [B, H, g, NC, C, D/G]
+        pm = (p[..., None] * zero[:, :, None]).sum((3, 4))  # [B, H, g, D/G]
+        out = (codes[:, :, None] * _per_group(ps, group, planes, width)).sum((3, 4))  # [B, H, g, P, M]
+        return out.flatten(-2)[..., :dim] + pm.repeat_interleave(group, -1)
+    groups = scale.shape[3]
+    pg = p.view(b, h, g, nc, groups, c // groups)
+    grouped = codes.view(b, h, 1, nc, groups, c // groups, planes, width)
+    partial = (grouped * pg[..., None, None]).sum(-3)  # [B, H, g, NC, C/Gt, P, M]
+    out = (partial * _planar(scale, planes, width)[:, :, None]).sum((3, 4)).flatten(-2)[..., :dim]
+    return out + (zero[:, :, None] * pg.sum(-1)[..., None]).sum((3, 4))
