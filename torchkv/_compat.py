@@ -13,5 +13,10 @@ RECOMPILE_LIMIT = 64
 @contextlib.contextmanager
 def recompile_headroom() -> Iterator[None]:
     """Raise dynamo's per-function recompile limit for the duration of a torchkv compiled call only."""
-    with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+    config = torch._dynamo.config
+    previous = config.recompile_limit
+    config.recompile_limit = max(RECOMPILE_LIMIT, previous)
+    try:
         yield
+    finally:
+        config.recompile_limit = previous

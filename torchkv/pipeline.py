@@ -52,6 +52,7 @@ class Chain:
                 t = type(t)(**{**dataclasses.asdict(t.config), "bits": source.code_bits})
             resolved.append(t)
         self.transforms = resolved
+        self.fused = self._fusable()
 
     @property
     def token_multiple(self) -> int:
@@ -65,8 +66,7 @@ class Chain:
     def requires(self) -> frozenset[str]:
         return frozenset().union(*(t.requires for t in self.transforms))
 
-    @property
-    def fused(self) -> bool:
+    def _fusable(self) -> bool:
         """Decode attention can read the encoded form directly: linear transforms, then a quantizer with
         `scores`/`weighted_sum`, then a planar pack."""
         if len(self.transforms) < 2:
@@ -284,10 +284,10 @@ class KVPipeline:
         """Compiled decode attention reads both chains' encoded forms without reconstructing them."""
         return self.compile and self.keys.fused and self.values.fused
 
-    def _attend_decode(self, q, encoded, k_fp, v_fp, mask, scale, softcap, params, prepared):
+    def _attend_decode(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared):
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
-        qg = q.reshape(b, h, hq // h, d).float() * scale  # [B, H, g, D]
+        qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
         s_enc = self.keys.scores(qg, _sub(encoded, "k."), d, _sub(params, "k."), _sub(prepared, "k."))
         nc, c = s_enc.shape[-2:]
         scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
@@ -299,7 +299,7 @@ class KVPipeline:
         p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
         out = self.values.weighted_sum(p_enc, _sub(encoded, "v."), d, _sub(params, "v."), _sub(prepared, "v."))
         out = out + p[..., nc * c :] @ v_fp.float()
-        return out.reshape(b, hq, 1, d).to(q.dtype)
+        return out.reshape(b, hq, 1, d)
 
     def attend_decode(
         self,
@@ -312,6 +312,7 @@ class KVPipeline:
         softcap: float | None = None,
         layer: int = 0,
         prepared: Mapping[str, torch.Tensor] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step of attention over encoded chunks and full-precision tokens (requires `fused`).
 
@@ -319,6 +320,7 @@ class KVPipeline:
             q: [B, Hq, 1, D]. encoded: state tensors viewed by chunk, `[B, *, NC, rows per chunk, ...]`.
             k_fp, v_fp: [B, H, F, D], the full-precision tokens, which come after the encoded ones.
             mask: [B or 1, 1, 1, NC·C + F] bool (True = attend), or None.
+            params: the layer's fitted parameters (`layer_params(layer)`), to skip looking them up.
 
         Returns:
             [B, Hq, 1, D], q's dtype.
@@ -327,10 +329,13 @@ class KVPipeline:
             torch._dynamo.maybe_mark_dynamic(t, 2)  # one graph for every number of chunks and window size
         if mask is not None:
             torch._dynamo.maybe_mark_dynamic(mask, 3)
-        return self._run(
-            "_attend_decode", q, dict(encoded), k_fp, v_fp, mask, scale, softcap, self.layer_params(layer),
-            dict(prepared or {}),
+        # a Python float argument would become a fresh tensor input at every call
+        scaled = q.float() * scale
+        out = self._run(
+            "_attend_decode", scaled, dict(encoded), k_fp, v_fp, mask, softcap,
+            self.layer_params(layer) if params is None else dict(params), dict(prepared or {}),
         )
+        return out.to(q.dtype)
 
     def encode_chunk(
         self,
@@ -341,10 +346,12 @@ class KVPipeline:
         prepared: Mapping[str, torch.Tensor] | None = None,
         valid: torch.Tensor | None = None,
         inputs: Mapping[str, torch.Tensor] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Encode keys and values `[B, H, T, D]` (T a multiple of `chunk`) into one flat state dict.
 
         `valid: [B, T]` marks real tokens (False at padding). Keys' entries start with "k.", values' with "v.".
+        `params` are the layer's fitted parameters (default: looked up for `layer`).
         """
         _check_kv(k, v)
         if k.shape[2] % self.chunk:
@@ -352,7 +359,8 @@ class KVPipeline:
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
-        return self._run("_encode", k, v, self.layer_params(layer), dict(prepared or {}), valid, dict(inputs or {}))
+        params = self.layer_params(layer) if params is None else dict(params)
+        return self._run("_encode", k, v, params, dict(prepared or {}), valid, dict(inputs or {}))
 
     def decode_chunk(
         self,
@@ -362,13 +370,13 @@ class KVPipeline:
         layer: int = 0,
         prepared: Mapping[str, torch.Tensor] | None = None,
         inputs: Mapping[str, torch.Tensor] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of `encode_chunk`: `(k, v)`, each `[B, H, T, head_dim]` float32."""
         for t in (*state.values(), *(inputs or {}).values()):
             torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
-        return self._run(
-            "_decode", dict(state), head_dim, self.layer_params(layer), dict(prepared or {}), dict(inputs or {})
-        )
+        params = self.layer_params(layer) if params is None else dict(params)
+        return self._run("_decode", dict(state), head_dim, params, dict(prepared or {}), dict(inputs or {}))
 
     # -- accounting ----------------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ class KVStore:
         self.sink_v: torch.Tensor | None = None
         self.encoded: dict[str, torch.Tensor] = {}  # chunk states concatenated along dim 2
         self.prepared: dict[str, torch.Tensor] = {}  # per-sequence state from the prompt
+        self.params: dict[str, torch.Tensor] | None = None  # the layer's fitted parameters, on its device
         self.res_k: torch.Tensor | None = None  # [B, H, residual + chunk, D] window buffer
         self.res_v: torch.Tensor | None = None
         self.res_valid: torch.Tensor | None = None  # [B, residual + chunk] bool
@@ -104,6 +105,17 @@ class KVStore:
         """
         pipe = self.pipeline
         b, _, t, _ = k.shape
+        if self.params is None:
+            self.params = {n: p.to(k.device) for n, p in pipe.layer_params(self.layer).items()}
+        n = self.n_residual
+        if n + t < pipe.residual + pipe.chunk and self.n_sinks == pipe.sinks and self.length and not self.tracks_positions:
+            # a decode step: no chunk completes, the tokens only enter the window
+            self._reserve(k, v, n + t)
+            self.res_k[:, :, n : n + t], self.res_v[:, :, n : n + t] = k, v
+            self.res_valid[:, n : n + t] = True if valid is None else valid
+            self.n_residual += t
+            self.length += t
+            return
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
         if self.tracks_positions:
@@ -123,7 +135,6 @@ class KVStore:
             self.sink_v = _cat(self.sink_v, v[:, :, :take], 2)
             k, v, valid = k[:, :, take:], v[:, :, take:], valid[:, take:]
 
-        n = self.n_residual
         if n:
             buf_k = torch.cat([self.res_k[:, :, :n], k], 2)  # [B, H, n + T', D]
             buf_v = torch.cat([self.res_v[:, :, :n], v], 2)
@@ -137,10 +148,10 @@ class KVStore:
             state = pipe.encode_chunk(
                 buf_k[:, :, :flush],
                 buf_v[:, :, :flush],
-                layer=self.layer,
                 prepared=self.prepared,
                 valid=buf_valid[:, :flush],
                 inputs=self._rope_inputs(start, start + flush),
+                params=self.params,
             )
             for name, tensor in state.items():
                 self.encoded[name] = _cat(self.encoded.get(name), tensor, 2)
@@ -159,9 +170,9 @@ class KVStore:
         k, v = self.pipeline.decode_chunk(
             self.encoded,
             head_dim=self.head_dim,
-            layer=self.layer,
             prepared=self.prepared,
             inputs=self._rope_inputs(start, start + self.n_encoded),
+            params=self.params,
         )
         return k.to(self.dtype), v.to(self.dtype)
 
@@ -186,12 +197,17 @@ class KVStore:
         return {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in self.encoded.items()}
 
     def full_precision(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sinks, window and the new tokens, in order: `(k, v)` each `[B, H, sinks + window + new, D]`."""
-        ks = ([self.sink_k] if self.n_sinks else []) + [self.res_k[:, :, : self.n_residual], k_new]
-        vs = ([self.sink_v] if self.n_sinks else []) + [self.res_v[:, :, : self.n_residual], v_new]
-        if self.n_residual == 0:
-            ks, vs = ks[:-2] + ks[-1:], vs[:-2] + vs[-1:]
-        return torch.cat(ks, 2), torch.cat(vs, 2)
+        """Sinks, window and the new tokens, in order: `(k, v)` each `[B, H, sinks + window + new, D]`.
+
+        The new tokens are written after the window (not committed: `append` still owns that), so the
+        window and them are one view."""
+        n, t = self.n_residual, k_new.shape[2]
+        self._reserve(k_new, v_new, n + t)
+        self.res_k[:, :, n : n + t], self.res_v[:, :, n : n + t] = k_new, v_new
+        k, v = self.res_k[:, :, : n + t], self.res_v[:, :, : n + t]
+        if self.n_sinks:
+            k, v = torch.cat([self.sink_k, k], 2), torch.cat([self.sink_v, v], 2)
+        return k, v
 
     # -- accounting ----------------------------------------------------------------------------------
 

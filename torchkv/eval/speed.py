@@ -14,29 +14,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: untimed decode steps before the timed ones: a graph specialised for this length compiles there
+WARM_STEPS = 2
+
+
 @torch.no_grad()
-def _run(model, method: Method, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, object]:
-    """Prefill `ids` into a fresh cache, then greedy-decode `new_tokens`; returns (prefill s, decode s, cache)."""
+def _run(model, method: Method, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, float, object]:
+    """Prefill `ids` into a fresh cache, then greedy-decode; returns (prefill s, warm-up s, decode s, cache)."""
     device = ids.device
     cache = method.new_cache(model)
     _sync(device)
     t0 = time.perf_counter()
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     _sync(device)
-    t1 = time.perf_counter()
-    for _ in range(new_tokens):
+    times = [time.perf_counter()]
+    for step in range(WARM_STEPS + new_tokens):
         token = logits[:, -1:].argmax(-1)
         logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        if step == WARM_STEPS - 1:
+            _sync(device)
+            times.append(time.perf_counter())
     _sync(device)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, cache
+    times.append(time.perf_counter())
+    return times[0] - t0, times[1] - times[0], times[2] - times[1], cache
 
 
 def generation_profile(model, tokenizer, method: Method, context: int, new_tokens: int = 32, batch: int = 1) -> dict:
     """Measure one generation of `new_tokens` after a `context`-token prompt (batch rows of held-out text).
 
-    Compilation is excluded: two short runs of other lengths go first, so the timed one reuses the
-    shape-generic graphs.
+    Compilation is excluded: two short runs of other lengths go first, so the timed prefill reuses the
+    shape-generic graphs, and `WARM_STEPS` untimed decode steps precede the timed ones (reported apart).
     """
     stream = token_stream(tokenizer, "eval")
     if batch * context > stream.numel():
@@ -48,7 +55,7 @@ def generation_profile(model, tokenizer, method: Method, context: int, new_token
             _run(model, method, ids[:, :warm], 2)
         start_rss = memory.current_rss()
         resettable = memory.reset_peak()
-        prefill_s, decode_s, cache = _run(model, method, ids, new_tokens)
+        prefill_s, warm_s, decode_s, cache = _run(model, method, ids, new_tokens)
         peak = memory.peak_rss()
         result = {
             "context": context,
@@ -56,6 +63,7 @@ def generation_profile(model, tokenizer, method: Method, context: int, new_token
             "new_tokens": new_tokens,
             "prefill_tokens_per_s": batch * context / prefill_s,
             "decode_tokens_per_s": batch * new_tokens / decode_s,
+            "warm_decode_seconds": warm_s,
             "cache_bytes": cache_nbytes(cache),
             "peak_rss_bytes": peak,
             "peak_over_start_bytes": peak - start_rss if resettable else None,

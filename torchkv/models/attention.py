@@ -181,7 +181,8 @@ def _fused_decode(query, store, k_new, v_new, spec: MaskSpec, scaling: float, so
         mask = torch.cat([dense[..., n_sinks : n_sinks + n_enc], dense[..., :n_sinks], dense[..., n_sinks + n_enc :]], -1)
     k_fp, v_fp = store.full_precision(k_new, v_new)
     return store.pipeline.attend_decode(
-        query, store.encoded_by_chunk(), k_fp, v_fp, mask, scaling, softcap, store.layer, store.prepared
+        query, store.encoded_by_chunk(), k_fp, v_fp, mask, scaling, softcap, prepared=store.prepared,
+        params=store.params,
     )
 
 

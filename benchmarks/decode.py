@@ -1,0 +1,126 @@
+"""Decode benchmark: SmolLM2 decode and prefill throughput and peak memory for every cache, same run.
+
+Rows: transformers' DynamicCache (the reference) and QuantizedCache (quanto, 4 and 2 bits), and every
+torchkv preset; for fp32 and bf16 weights, contexts 1K/4K/8K, batch 1 and 8. Ratios are to the
+DynamicCache of the same cell. A kernel-level section times one layer's decode attention over packed
+codes against SDPA over the full-precision cache, and the bytes/s it reaches against the machine's
+measured copy bandwidth.
+
+    python benchmarks/decode.py --out benchmarks/results/decode_cpu.json
+    torchkv report benchmarks/results/decode_cpu.json
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import torchkv
+from torchkv.eval.rows import BASELINES, method
+from torchkv.eval.runner import machine
+from torchkv.eval.speed import generation_profile
+from torchkv.ops import pack_bits, quantize
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 10) -> float:
+    """Measured memory copy bandwidth, bytes/s (read + write of `nbytes`)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    return 2 * nbytes * reps / (time.perf_counter() - start)
+
+
+def _timed(fn, reps: int) -> float:
+    fn()
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def kernel_row(preset: str, context: int, batch: int, heads=3, groups=3, dim=64) -> dict:
+    """One layer's decode attention: torchkv over packed codes vs DynamicCache's concat + SDPA over fp32."""
+    pipe = torchkv.KVPipeline.from_preset(preset, residual=128)
+    gen = torch.Generator().manual_seed(0)
+    n_enc = (context - 128) // pipe.chunk * pipe.chunk
+    k, v = (torch.randn(batch, heads, n_enc, dim, generator=gen) for _ in range(2))
+    state = pipe.encode_chunk(k, v)
+    chunks = n_enc // pipe.chunk
+    encoded = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}
+    k_fp, v_fp = (torch.randn(batch, heads, context - n_enc, dim, generator=gen) for _ in range(2))
+    q = torch.randn(batch, heads * groups, 1, dim, generator=gen)
+    fused_s = _timed(lambda: pipe.attend_decode(q, encoded, k_fp, v_fp, None, dim**-0.5), 20)
+    full_k, full_v = torch.cat([k, k_fp[:, :, :-1]], 2), torch.cat([v, v_fp[:, :, :-1]], 2)
+
+    def dynamic_step():
+        kk, vv = torch.cat([full_k, k_fp[:, :, -1:]], 2), torch.cat([full_v, v_fp[:, :, -1:]], 2)
+        return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+    sdpa_s = _timed(dynamic_step, 20)
+    compressed = sum(t.numel() * t.element_size() for t in state.values())
+    return {
+        "preset": preset, "context": context, "batch": batch, "torchkv_ms": 1e3 * fused_s,
+        "dynamic_ms": 1e3 * sdpa_s, "speedup": sdpa_s / fused_s, "compressed_bytes": compressed,
+        "fp32_bytes": 2 * full_k.numel() * 4, "achieved_bytes_per_s": compressed / fused_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default="1024,4096,8192")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets()))
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
+    parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    names = list(BASELINES) + [p for p in args.presets.split(",") if p]
+    out = Path(args.out)
+    bandwidth = copy_bandwidth()
+    results = {
+        "meta": {"kind": "decode-benchmark", "model": "smollm2-135m", "torchkv": torchkv.__version__,
+                 "torch": torch.__version__, "machine": machine(), "copy_bandwidth_bytes_per_s": bandwidth,
+                 "new_tokens": args.new_tokens, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        "rows": [],
+        "kernel": [],
+    }
+    for preset in args.kernel_presets.split(","):
+        for context in contexts:
+            for batch in batches:
+                row = kernel_row(preset, context, batch)
+                row["fraction_of_copy_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
+                results["kernel"].append(row)
+                print(json.dumps(row), flush=True)
+    for dtype in args.dtypes.split(","):
+        model, tokenizer = torchkv.load_model(dtype=getattr(torch, dtype))
+        for batch in batches:
+            for context in contexts:
+                cell = []
+                for name in names:
+                    profile = generation_profile(model, tokenizer, method(name), context, args.new_tokens, batch)
+                    profile.update(name=name, dtype=dtype)
+                    cell.append(profile)
+                    print(json.dumps(profile), flush=True)
+                reference = cell[0]
+                for profile in cell:
+                    profile["decode_ratio"] = profile["decode_tokens_per_s"] / reference["decode_tokens_per_s"]
+                    profile["prefill_ratio"] = profile["prefill_tokens_per_s"] / reference["prefill_tokens_per_s"]
+                results["rows"].extend(cell)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(results, indent=2))
+        del model
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
