@@ -23,12 +23,26 @@ def test_presets_listing():
     assert torchkv.DEFAULT_PRESET in listed
 
 
+def _model_inputs(pipe, k, seed=1):
+    """What a preset's transforms read from the model: rotary embedding at positions 0.., prompt queries."""
+    b, h, t, d = k.shape
+    inputs = {}
+    if "cos" in pipe.requires:
+        angle = torch.arange(t)[:, None] * 10000 ** (-torch.arange(0, d, 2) / d)
+        inputs.update(cos=angle.cos().repeat(1, 2)[None].expand(b, t, d), sin=angle.sin().repeat(1, 2)[None].expand(b, t, d))
+    if "queries" in pipe.requires:
+        inputs["queries"] = torch.randn(b, 3 * h, t, d, generator=torch.Generator().manual_seed(seed))
+    return inputs
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_roundtrips_and_accounts_real_storage(name):
     pipe = KVPipeline.from_preset(name)
     k, v = _kv(t=pipe.chunk * 2)
-    state = pipe.encode_chunk(k, v)
-    kh, vh = pipe.decode_chunk(state, head_dim=64)
+    inputs = _model_inputs(pipe, k)
+    prepared = pipe.prepare(k, v, inputs=inputs) if pipe.needs_prepare else {}
+    state = pipe.encode_chunk(k, v, prepared=prepared, inputs=inputs)
+    kh, vh = pipe.decode_chunk(state, head_dim=64, prepared=prepared, inputs=inputs)
     assert kh.shape == k.shape and vh.shape == v.shape
     assert torch.isfinite(kh).all() and torch.isfinite(vh).all()
     bits = pipe.bits_per_value(kv_heads=3, head_dim=64)

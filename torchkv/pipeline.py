@@ -50,6 +50,12 @@ class Chain:
                 if source is None:
                     raise ValueError(f"{t!r} needs a quantizer before it in the chain, or an explicit bits=")
                 t = type(t)(**{**dataclasses.asdict(t.config), "bits": source.code_bits})
+            missing = t.reads_upstream - frozenset().union(*(p.prepares for p in resolved))
+            if missing:
+                raise ValueError(
+                    f"{t!r} reads {sorted(missing)} prepared by a transform before it in the chain, and none of "
+                    f"{resolved} prepares it"
+                )
             resolved.append(t)
         self.transforms = resolved
         self.fused = self._fusable()
@@ -80,7 +86,8 @@ class Chain:
         )
 
     def _ctx(self, i: int, dim: int, params: Mapping, prepared: Mapping, valid=None, inputs=None) -> Context:
-        return Context(dim, _sub(params, f"{i}."), _sub(prepared, f"{i}."), valid, inputs or {})
+        upstream = {k: v for j in range(i) for k, v in _sub(prepared, f"{j}.").items()}
+        return Context(dim, _sub(params, f"{i}."), _sub(prepared, f"{i}."), valid, inputs or {}, upstream)
 
     def scores(
         self, q: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping
@@ -119,7 +126,7 @@ class Chain:
         last = max((i for i, t in enumerate(self.transforms) if t.needs_prepare), default=-1)
         prepared: dict[str, torch.Tensor] = {}
         for i, (t, dim) in enumerate(zip(self.transforms[: last + 1], self.dims(x.shape[-1]))):
-            ctx = self._ctx(i, dim, params, {}, valid, inputs)
+            ctx = self._ctx(i, dim, params, prepared, valid, inputs)
             own = t.prepare(x, ctx)
             prepared.update(_prefixed(own, f"{i}."))
             if i < last:
@@ -359,6 +366,11 @@ class KVPipeline:
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
+        if self.needs_prepare and not prepared:
+            raise ValueError(
+                f"pipeline '{self.name}' encodes with per-sequence state from the prompt: call "
+                "prepared = pipe.prepare(k, v, inputs=...) on the prompt first and pass prepared=prepared"
+            )
         params = self.layer_params(layer) if params is None else dict(params)
         return self._run("_encode", k, v, params, dict(prepared or {}), valid, dict(inputs or {}))
 
@@ -387,6 +399,8 @@ class KVPipeline:
         inputs = {}
         if {"cos", "sin"} & self.requires:  # the identity rotation: position 0 everywhere
             inputs = {"cos": torch.ones(1, self.chunk, head_dim), "sin": torch.zeros(1, self.chunk, head_dim)}
+        if "queries" in self.requires:  # one query head per KV head
+            inputs["queries"] = torch.randn(1, kv_heads, self.chunk, head_dim, generator=gen)
         with torch.no_grad():
             prepared = self.prepare(k, v, inputs=inputs) if self.needs_prepare else {}
             state = self._encode(k, v, self.layer_params(0), prepared, None, inputs)  # eager: accounting only

@@ -1,5 +1,6 @@
 """What a results row measures: a torchkv pipeline, or one of transformers' own caches as a baseline."""
 
+import ast
 import contextlib
 import copy
 from collections.abc import Iterator
@@ -64,11 +65,23 @@ class Method:
             raise ImportError("the quanto baselines need optimum-quanto: pip install optimum-quanto") from err
 
 
+def _option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"preset option {text!r} must be written key=value, e.g. kivi-2bit:residual=32")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def method(name: str) -> Method:
-    """A row by name: a baseline name (see `BASELINES`) or a torchkv preset."""
+    """A row by name: a baseline name (see `BASELINES`) or a torchkv preset, optionally with overrides
+    after colons (`kivi-2bit:residual=32:sinks=4`)."""
     if name in BASELINES:
         return Method(name, nbits=BASELINES[name])
-    return Method(name, pipeline=KVPipeline.from_preset(name))
+    preset, *options = name.split(":")
+    return Method(name, pipeline=KVPipeline.from_preset(preset, **dict(map(_option, options))))
 
 
 def cache_nbytes(cache: Cache) -> int:

@@ -24,6 +24,8 @@ class Context:
         prepared: per-sequence state this transform returned from `prepare`.
         valid: [B, T] bool, False at padding positions (encode and prepare only).
         inputs: model-side tensors a method asked for (e.g. "queries": [B, Hq, T, D]).
+        upstream: per-sequence state prepared by the transforms before this one in the chain (e.g. the
+            update matrices a SQuat quantizer takes from its query-subspace projection).
     """
 
     dim: int
@@ -31,6 +33,7 @@ class Context:
     prepared: Mapping[str, torch.Tensor] = field(default_factory=dict)
     valid: torch.Tensor | None = None
     inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    upstream: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +58,10 @@ class Transform:
     #: names of `Context.inputs` this transform reads; the cache supplies them for the tokens at hand:
     #: "cos"/"sin" ([B, T, R] rotary embedding), "queries" ([B, Hq, T, D], prompt only, at prepare).
     requires: ClassVar[frozenset[str]] = frozenset()
+    #: names of the state `prepare` returns, and names this transform reads from `Context.upstream`
+    #: (a chain checks at construction that an earlier transform prepares each of them).
+    prepares: ClassVar[frozenset[str]] = frozenset()
+    reads_upstream: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, **config: Any):
         fields = {f.name for f in dataclasses.fields(self.Config)}
