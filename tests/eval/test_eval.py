@@ -54,10 +54,29 @@ def test_retrieval_cases_are_seeded_and_scored(smollm2):
     assert [c.key for c in a] == [c.key for c in b] and all(c.prompt.shape == (1, 600) for c in a)
     assert tokenizer.decode(a[0].answer) == " " + a[0].key
     assert a[0].key in tokenizer.decode(a[0].prompt[0, :20])
-    full = retrieval(model, a, method("dynamic"), progress=False)
-    broken = retrieval(model, a, method("kivi-2bit"), progress=False)
+    scores = retrieval(model, a, [method("dynamic"), method("kivi-2bit:residual=0")], progress=False)
+    full, broken = scores["dynamic"], scores["kivi-2bit:residual=0"]
     assert full["cases"] == 3 and full["accuracy"] >= 2 / 3 and full["logprob"] > -3
     assert broken["logprob"] < full["logprob"]
+
+
+def test_a_filled_cache_holds_what_a_patched_prefill_stores(smollm2):
+    """Retrieval's shared prompt pass: filling a cache from captured tensors stores the same bytes as
+    running the prompt through the patched model."""
+    from torchkv.models.capture import capture_qkv
+
+    model, tokenizer = smollm2
+    ids = documents(tokenizer, 300, 1)
+    row = method("squat-2bit")
+    with row.active(model), torch.no_grad():
+        through_model = row.new_cache(model)
+        model(ids, past_key_values=through_model)
+    filled = row.filled_cache(model, capture_qkv(model, ids)[1])
+    for a, b in zip(through_model.layers, filled.layers):
+        held_a, held_b = a.store.tensors(), b.store.tensors()
+        assert held_a.keys() == held_b.keys()
+        for name in held_a:  # codes may flip where a value sits on a rounding boundary
+            assert (held_a[name].float() - held_b[name].float()).abs().mean() < 1e-3, name
 
 
 def test_cache_bytes_of_baselines(smollm2):

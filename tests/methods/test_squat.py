@@ -8,7 +8,7 @@ import torchkv.transforms as T
 from torchkv.eval.data import documents
 from torchkv.ops import dequantize, quantize
 from torchkv.pipeline import KVPipeline
-from torchkv.testing import capture_qkv
+from torchkv.models.capture import capture_qkv
 
 
 def _inputs(b=2, h=3, n_rep=3, t=64, d=64, seed=0):
@@ -116,7 +116,7 @@ def test_bad_input_is_refused_clearly():
 @pytest.fixture(scope="module")
 def real_qkv(smollm2):
     model, tokenizer = smollm2
-    return capture_qkv(model, documents(tokenizer, 1024, 1))
+    return capture_qkv(model, documents(tokenizer, 1024, 1))[1]
 
 
 def _held_out_logit_error(pipe, q, k, prompt):

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from torchkv.eval.data import token_stream
 from torchkv.eval.rows import Method
+from torchkv.models.capture import capture_qkv
 
 _INTRO = "Remember the pass key. The pass key is {key}.\n\n"
 _QUESTION = "\n\nQuestion: What is the pass key?\nAnswer: The pass key is"
@@ -40,22 +41,26 @@ def cases(tokenizer, context: int, count: int, seed: int = 0) -> list[Case]:
 
 
 @torch.no_grad()
-def retrieval(model, case_list: list[Case], method: Method, progress: bool = True) -> dict[str, float]:
-    """Exact match and mean log-probability of the true key, by teacher forcing through the cache.
+def retrieval(model, case_list: list[Case], methods: list[Method], progress: bool = True) -> dict[str, dict]:
+    """Exact match and mean log-probability of the true key for every row, by teacher forcing.
 
-    The prompt is prefilled into a fresh cache and the key's tokens are fed after it: greedy decoding
-    reproduces the key exactly when every one of its tokens is the argmax given the ones before.
+    Each case's prompt runs once, unpatched: prompt attention is full precision in every cache (a cache
+    compresses only what it stores), so one pass serves every row. Each row's cache is filled with that
+    pass's queries, keys and values through its own update path, then the key's tokens are fed through
+    the row's cache. Greedy decoding reproduces the key exactly when each of its tokens is the argmax.
+
+    Returns:
+        row name -> {"accuracy", "logprob", "cases"}.
     """
-    hits, logprob = 0, 0.0
-    with method.active(model):
-        for case in tqdm(case_list, desc=f"retrieval {method.name} {case_list[0].prompt.shape[1]}",
-                         disable=not progress, leave=False):
-            cache = method.new_cache(model)
-            last = model(input_ids=case.prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]
-            rest = model(input_ids=case.answer[None, :-1], past_key_values=cache, use_cache=True).logits[0]
+    hits, logprob = {m.name: 0 for m in methods}, {m.name: 0.0 for m in methods}
+    for case in tqdm(case_list, desc=f"retrieval {case_list[0].prompt.shape[1]}", disable=not progress, leave=False):
+        last, layers = capture_qkv(model, case.prompt)
+        for method in methods:
+            cache = method.filled_cache(model, layers)
+            with method.active(model):
+                rest = model(input_ids=case.answer[None, :-1], past_key_values=cache, use_cache=True).logits[0]
             logits = torch.cat([last, rest]).float().log_softmax(-1)
-            picked = logits.gather(1, case.answer[:, None])[:, 0]
-            logprob += float(picked.sum())
-            hits += bool(torch.equal(logits.argmax(-1), case.answer))
+            logprob[method.name] += float(logits.gather(1, case.answer[:, None]).sum())
+            hits[method.name] += bool(torch.equal(logits.argmax(-1), case.answer))
     n = len(case_list)
-    return {"accuracy": hits / n, "logprob": logprob / n, "cases": n}
+    return {m.name: {"accuracy": hits[m.name] / n, "logprob": logprob[m.name] / n, "cases": n} for m in methods}

@@ -11,6 +11,7 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from torchkv.models import patched
+from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache
 from torchkv.pipeline import KVPipeline
 
@@ -48,6 +49,18 @@ class Method:
         else:
             with patched(model, self.pipeline):
                 yield
+
+    def filled_cache(self, model, layers: list[tuple[torch.Tensor, ...]]) -> Cache:
+        """A fresh cache holding a prompt captured by `models.capture.capture_qkv`: every layer stores its
+        `(queries, keys, values)` through the same calls a patched forward pass makes."""
+        cache = self.new_cache(model)
+        for i, (q, k, v) in enumerate(layers):
+            if isinstance(cache, TorchKVCache):
+                cache.layers[i].update(k, v)
+                cache.layers[i].commit(None, None, {"queries": q})
+            else:
+                cache.update(k, v, i)
+        return cache
 
     def new_cache(self, model, simulated: bool = False) -> Cache:
         """A fresh cache; `simulated` quantizes every token before any query reads it (torchkv rows)."""

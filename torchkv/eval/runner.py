@@ -85,7 +85,8 @@ def _write(path: Path | None, results: dict) -> None:
         tmp.replace(path)
 
 
-def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, case_sets: dict, progress: bool) -> dict:
+def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: dict, progress: bool) -> dict:
+    """Measure one row; `scored` holds its retrieval results by context (measured for all rows at once)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     out: dict = {"name": row.name, "kind": row.kind, "config": row.config()}
@@ -99,7 +100,7 @@ def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, case_set
                for length, count in sorted(settings.ppl_docs.items())}
         for mode in modes
     }
-    out["retrieval"] = {str(c): retrieval(model, case_sets[c], row, progress) for c in settings.retrieval_contexts}
+    out["retrieval"] = {str(c): scored[c][row.name] for c in settings.retrieval_contexts}
     out["generation"] = [generation_profile(model, tokenizer, row, c, settings.new_tokens)
                          for c in settings.speed_contexts]
     out["seconds"] = time.perf_counter() - started
@@ -132,7 +133,8 @@ def run_eval(
         },
         "rows": [],
     }
+    scored = {c: retrieval(model, case_sets[c], rows, progress) for c in settings.retrieval_contexts}
     for row in rows:
-        results["rows"].append(evaluate_row(model, tokenizer, row, settings, case_sets, progress))
+        results["rows"].append(evaluate_row(model, tokenizer, row, settings, scored, progress))
         _write(out, results)  # an interrupted run keeps the rows already finished
     return results

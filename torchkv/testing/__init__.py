@@ -1,9 +1,8 @@
 """Shared test helpers: error metrics, tiny random models of each supported architecture, K/V capture."""
 
 import torch
-import torch.nn.functional as F
 import transformers
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 #: config class, and the options making a tiny model of each architecture in the test matrix.
 TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
@@ -62,24 +61,3 @@ def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
     model(input_ids=input_ids, past_key_values=cache, use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
-
-@torch.no_grad()
-def capture_qkv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Post-RoPE queries `[B, Hq, T, D]`, keys and values `[B, H, T, D]` of every layer for one causal,
-    unpadded forward pass (unpatched model; its attention implementation is restored afterwards)."""
-    records = {}
-
-    def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        records[module.layer_idx] = (query, key, value)
-        gqa = query.shape[1] != key.shape[1]
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("torchkv_capture", capture)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("torchkv_capture")
-    try:
-        model(input_ids=input_ids, use_cache=False)
-    finally:
-        model.set_attn_implementation(previous)
-    return [records[i] for i in sorted(records)]
