@@ -68,3 +68,12 @@ def test_evaluate_example(tmp_path):
     done = _run("examples/evaluate.py", "--context", "384", "--cases", "2", "--presets", "kivi-4bit", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     assert out.is_file() and "| quanto-2bit |" in done.stdout and (tmp_path / "ppl_vs_bits.png").is_file()
+
+
+@pytest.mark.model
+def test_squat_example():
+    done = _run("examples/squat.py", "--tokens", "384", "--max-new-tokens", "4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = dict(re.findall(r"^(\S+): 3\.00 bits/value, decode queries' mean \|q·δ\| = ([\d.]+)$", done.stdout, re.M))
+    assert set(errors) == {"kivi-2bit", "squat-2bit"}, done.stdout
+    assert "squat-2bit continues:" in done.stdout

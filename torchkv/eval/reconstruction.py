@@ -1,0 +1,42 @@
+"""A preset applied to a captured prompt's real keys and values, and the logit error later queries see."""
+
+from collections.abc import Iterator
+
+import torch
+
+from torchkv.models.arch import rope_fn
+from torchkv.pipeline import KVPipeline
+
+
+@torch.no_grad()
+def reconstruct_prompt(
+    pipe: KVPipeline, model, layers: list[tuple[torch.Tensor, ...]], prompt: int
+) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
+    """Encode and decode the first `prompt` tokens of every captured layer (`models.capture.capture_qkv`).
+
+    Each layer prepares on the prompt's own queries (and rotary embedding, for pre-RoPE presets).
+
+    Yields:
+        per layer: the encoded state, and the reconstructed keys and values `[B, H, prompt, D]`.
+    """
+    for i, (q, k, v) in enumerate(layers):
+        k, v = k[:, :, :prompt], v[:, :, :prompt]
+        inputs = {"queries": q[:, :, :prompt]}
+        if "cos" in pipe.requires:
+            inputs["cos"], inputs["sin"] = rope_fn(model, i)(torch.arange(prompt, device=k.device)[None])
+        prepared = pipe.prepare(k, v, layer=i, inputs=inputs) if pipe.needs_prepare else {}
+        state = pipe.encode_chunk(k, v, layer=i, prepared=prepared, inputs=inputs)
+        k_hat, v_hat = pipe.decode_chunk(state, head_dim=k.shape[-1], layer=i, prepared=prepared, inputs=inputs)
+        yield state, k_hat, v_hat
+
+
+def held_out_logit_error(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor) -> float:
+    """Mean |q·(k̂ - k)| of later queries against reconstructed keys (SQuat's target, Theorem 1).
+
+    Args:
+        q: [B, Hq, T', D] queries of tokens after the keys' (query head i reads KV head i // (Hq/H)).
+        k, k_hat: [B, H, T, D] keys and their reconstruction.
+    """
+    b, h, _, d = k.shape
+    rows = q.reshape(b, h, -1, d)  # [B, H, n_rep·T', D], the query heads of each KV head stacked
+    return float((rows.float() @ (k_hat - k).float().transpose(-1, -2)).abs().mean())
