@@ -20,6 +20,8 @@ EXAMPLES = {
     ],
     ("quantize", "cast"): [{"dtype": "float16"}, {"dtype": "bfloat16"}],
     ("pack", "bits"): [{"bits": 3}, {"bits": 2}],
+    ("project", "query_subspace"): [{}],
+    ("quantize", "squat"): [{"bits": 2, "group": 8}, {"bits": 3, "group": 32}],
 }
 CASES = [(kind, name, cfg) for (kind, name), cfgs in EXAMPLES.items() for cfg in cfgs]
 
@@ -36,6 +38,14 @@ def _rope_inputs(b, t, d, seed=0):
     return {"cos": angles.cos(), "sin": angles.sin()}
 
 
+def _upstream(transform, batch: int) -> dict:
+    """What earlier transforms would have prepared. SQuat's corrections are zero here, so the generic
+    bound is KIVI's; its bound against corrected values is tested in tests/ops/test_squat.py."""
+    if "updates" in transform.reads_upstream:
+        return {"updates": torch.zeros(batch, 3, 32, 32)}  # M_1 for D = 64, g = 32
+    return {}
+
+
 def _input(transform, shape, seed):
     g = torch.Generator().manual_seed(seed)
     if transform.kind == "pack":
@@ -45,7 +55,7 @@ def _input(transform, shape, seed):
 
 def _tolerance(transform, x, state):
     """Largest allowed |decode(encode(x)) - x| per element."""
-    if transform.kind == "quantize" and transform.name == "uniform":
+    if transform.kind == "quantize" and transform.name in ("uniform", "squat"):
         dim = 3 if transform.config.axis == "token" else 2
         return state["scale"].float().repeat_interleave(transform.config.group, dim=dim) / 2 * (1 + 1e-5) + 1e-6
     if transform.kind == "quantize":  # a cast: one rounding of the storage dtype
@@ -61,7 +71,7 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     shape = (batch, 3, step * chunks, d)
     x = _input(t, shape, seed)
     inputs = _rope_inputs(batch, shape[2], d, seed)
-    ctx = Context(dim=d, inputs=inputs)
+    ctx = Context(dim=d, inputs=inputs, upstream=_upstream(t, batch))
     y, state = t.encode(x, ctx)
     xhat = t.decode(y, state, ctx)
     assert xhat.shape == x.shape
@@ -72,7 +82,7 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     parts = []
     for i in range(chunks):
         sl = slice(i * step, (i + 1) * step)
-        part_ctx = Context(dim=d, inputs={k: v[:, sl] for k, v in inputs.items()})
+        part_ctx = Context(dim=d, inputs={k: v[:, sl] for k, v in inputs.items()}, upstream=ctx.upstream)
         parts.append(t.encode(x[:, :, sl], part_ctx))
     y_cat = torch.cat([p[0] for p in parts], 2)
     state_cat = {k: torch.cat([p[1][k] for p in parts], 2) for k in state}
@@ -85,9 +95,10 @@ def test_compiled_equals_eager(kind, name, cfg):
     t = registry.transform_class(kind, name)(**cfg)
     x = _input(t, (2, 3, 64, 64), 0)
     ctx = Context(dim=64, inputs=_rope_inputs(2, 64, 64))
+    upstream = _upstream(t, 2)
 
     def roundtrip(x, inputs):
-        c = Context(dim=64, inputs=inputs)
+        c = Context(dim=64, inputs=inputs, upstream=upstream)
         y, state = t.encode(x, c)
         return y, t.decode(y, state, c)
 
