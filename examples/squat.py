@@ -32,18 +32,15 @@ def main(argv: list[str] | None = None) -> None:
     ids = documents(tokenizer, args.tokens, 1)
     prompt = args.tokens // 2 // 32 * 32
     _, layers = capture_qkv(model, ids)
-    recipes = {
-        "kivi-2bit": torchkv.KVPipeline.from_preset("kivi-2bit", residual=32, compile=False),
-        "squat-2bit": torchkv.KVPipeline.from_preset("squat-2bit", compile=False),  # r=5, λ=1e-3, g=D/2
-    }
-    for name, pipe in recipes.items():
-        bits = pipe.bits_per_value(3, 64).mean
-        print(f"{name}: {bits:.2f} bits/value, decode queries' mean |q·δ| = {mean_logit_error(pipe, model, layers, prompt):.3f}")
-    for name in recipes:
-        with torchkv.patched(model, torchkv.KVPipeline.from_preset(name, **({"residual": 32} if name == "kivi-2bit" else {}))):
+    overrides = {"kivi-2bit": {"residual": 32}, "squat-2bit": {}}  # the same window; SQuat: r=5, λ=1e-3, g=D/2
+    for name, options in overrides.items():
+        pipe = torchkv.KVPipeline.from_preset(name, compile=False, **options)
+        error = mean_logit_error(pipe, model, layers, prompt)
+        print(f"{name}: {pipe.bits_per_value(3, 64).mean:.2f} bits/value, decode queries' mean |q·δ| = {error:.3f}")
+    for name, options in overrides.items():
+        with torchkv.patched(model, torchkv.KVPipeline.from_preset(name, **options)):
             out = model.generate(ids[:, :prompt], max_new_tokens=args.max_new_tokens, do_sample=False)
         print(f"{name} continues: {tokenizer.decode(out[0, prompt:], skip_special_tokens=True)!r}")
-
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ import torch
 import torchkv
 import torchkv.transforms as T
 from torchkv.pipeline import KVPipeline
+from torchkv.testing import rope_tables
 
 PRESETS = [p["name"] for p in torchkv.presets()]
 
@@ -28,8 +29,7 @@ def _model_inputs(pipe, k, seed=1):
     b, h, t, d = k.shape
     inputs = {}
     if "cos" in pipe.requires:
-        angle = torch.arange(t)[:, None] * 10000 ** (-torch.arange(0, d, 2) / d)
-        inputs.update(cos=angle.cos().repeat(1, 2)[None].expand(b, t, d), sin=angle.sin().repeat(1, 2)[None].expand(b, t, d))
+        inputs.update(rope_tables(b, t, d))
     if "queries" in pipe.requires:
         inputs["queries"] = torch.randn(b, 3 * h, t, d, generator=torch.Generator().manual_seed(seed))
     return inputs

@@ -54,8 +54,8 @@ def test_retrieval_cases_are_seeded_and_scored(smollm2):
     assert [c.key for c in a] == [c.key for c in b] and all(c.prompt.shape == (1, 600) for c in a)
     assert tokenizer.decode(a[0].answer) == " " + a[0].key
     assert a[0].key in tokenizer.decode(a[0].prompt[0, :20])
-    scores = retrieval(model, a, [method("dynamic"), method("kivi-2bit:residual=0")], progress=False)
-    full, broken = scores["dynamic"], scores["kivi-2bit:residual=0"]
+    scores = retrieval(model, a, [method("dynamic"), method("kivi-2bit")], progress=False)
+    full, broken = scores["dynamic"], scores["kivi-2bit"]
     assert full["cases"] == 3 and full["accuracy"] >= 2 / 3 and full["logprob"] > -3
     assert broken["logprob"] < full["logprob"]
 

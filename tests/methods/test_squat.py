@@ -9,6 +9,7 @@ from torchkv.eval.data import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt
 from torchkv.ops import dequantize, quantize
 from torchkv.pipeline import KVPipeline
+from torchkv.testing import rope_tables
 from torchkv.models.capture import capture_qkv
 
 
@@ -21,16 +22,11 @@ def _inputs(b=2, h=3, n_rep=3, t=64, d=64, seed=0):
     return k, v, q
 
 
-def _rope(b, t, d):
-    angle = torch.arange(t)[:, None] * 10000 ** (-torch.arange(0, d, 2) / d)
-    return {"cos": angle.cos().repeat(1, 2)[None].expand(b, t, d), "sin": angle.sin().repeat(1, 2)[None].expand(b, t, d)}
-
-
 @pytest.mark.parametrize("name", ["squat-2bit", "squat-pre-2bit"])
 def test_compiled_encode_equals_eager(name):
     """The block-by-block quantizer compiles with fullgraph=True (T static) and gives the same bytes."""
     k, v, q = _inputs()
-    inputs = {"queries": q, **(_rope(2, 64, 64) if name == "squat-pre-2bit" else {})}
+    inputs = {"queries": q, **(rope_tables(2, 64, 64) if name == "squat-pre-2bit" else {})}
     eager, compiled = KVPipeline.from_preset(name, compile=False), KVPipeline.from_preset(name)
     prepared = eager.prepare(k, v, inputs=inputs)
     se = eager.encode_chunk(k, v, prepared=prepared, inputs=inputs)

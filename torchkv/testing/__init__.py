@@ -61,3 +61,9 @@ def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
     model(input_ids=input_ids, past_key_values=cache, use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
+
+def rope_tables(batch: int, tokens: int, dim: int) -> dict[str, torch.Tensor]:
+    """Llama-style rotary tables for positions 0..tokens-1: {"cos", "sin"} each `[batch, tokens, dim]`."""
+    angle = torch.arange(tokens)[:, None] * 10000 ** (-torch.arange(0, dim, 2) / dim)
+    cos, sin = angle.cos().repeat(1, 2)[None], angle.sin().repeat(1, 2)[None]
+    return {"cos": cos.expand(batch, tokens, dim), "sin": sin.expand(batch, tokens, dim)}
