@@ -12,6 +12,7 @@ import torch
 from torchkv import registry
 from torchkv._compat import recompile_headroom
 from torchkv.transforms import Context, Transform, build
+from torchkv.window import DynamicWindow
 
 CONFIG_FILE = "torchkv_config.json"
 PARAMS_FILE = "torchkv_params.safetensors"
@@ -188,6 +189,8 @@ class KVPipeline:
         sinks: first tokens of the sequence kept in full precision.
         chunk: tokens encoded together; a multiple of every transform's token group.
             Default: the smallest such multiple.
+        window: a window policy (`DynamicWindow`): the newest query's attention decides whether a
+            full window (`residual + chunk` tokens) flushes or grows. None: it always flushes.
         compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
             attention then reads packed codes directly when both chains allow it (`fused`).
     """
@@ -200,6 +203,7 @@ class KVPipeline:
         residual: int = 128,
         sinks: int = 0,
         chunk: int | None = None,
+        window: DynamicWindow | None = None,
         compile: bool = True,
     ):
         self.keys, self.values = Chain(keys), Chain(values)
@@ -212,7 +216,12 @@ class KVPipeline:
             raise ValueError(
                 f"chunk={chunk!r} must be a positive multiple of {multiple}, the token group of the transforms"
             )
-        self.residual, self.sinks, self.chunk, self.compile = residual, sinks, chunk, compile
+        if window is not None and window.max_window < residual + chunk:
+            raise ValueError(
+                f"max_window={window.max_window} is below the window's starting size residual + chunk = "
+                f"{residual + chunk}; raise max_window or lower residual/chunk"
+            )
+        self.residual, self.sinks, self.chunk, self.window, self.compile = residual, sinks, chunk, window, compile
         self.name = "custom"
         self.options: dict[str, Any] = {}
         self._compiled: dict[str, Any] = {}
@@ -305,8 +314,9 @@ class KVPipeline:
         p = torch.softmax(scores, -1)
         p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
         out = self.values.weighted_sum(p_enc, _sub(encoded, "v."), d, _sub(params, "v."), _sub(prepared, "v."))
-        out = out + p[..., nc * c :] @ v_fp.float()
-        return out.reshape(b, hq, 1, d)
+        p_fp = p[..., nc * c :]  # [B, H, g, F]
+        out = out + p_fp @ v_fp.float()
+        return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2))
 
     def attend_decode(
         self,
@@ -320,7 +330,7 @@ class KVPipeline:
         layer: int = 0,
         prepared: Mapping[str, torch.Tensor] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of attention over encoded chunks and full-precision tokens (requires `fused`).
 
         Args:
@@ -330,7 +340,9 @@ class KVPipeline:
             params: the layer's fitted parameters (`layer_params(layer)`), to skip looking them up.
 
         Returns:
-            [B, Hq, 1, D], q's dtype.
+            out: [B, Hq, 1, D], q's dtype.
+            fp_attention: [F] float32, each full-precision token's attention probability averaged over
+                batch rows and query heads (what a window policy reads).
         """
         for t in (*encoded.values(), k_fp, v_fp):
             torch._dynamo.maybe_mark_dynamic(t, 2)  # one graph for every number of chunks and window size
@@ -338,11 +350,11 @@ class KVPipeline:
             torch._dynamo.maybe_mark_dynamic(mask, 3)
         # a Python float argument would become a fresh tensor input at every call
         scaled = q.float() * scale
-        out = self._run(
+        out, fp_attention = self._run(
             "_attend_decode", scaled, dict(encoded), k_fp, v_fp, mask, softcap,
             self.layer_params(layer) if params is None else dict(params), dict(prepared or {}),
         )
-        return out.to(q.dtype)
+        return out.to(q.dtype), fp_attention
 
     def encode_chunk(
         self,
@@ -419,6 +431,7 @@ class KVPipeline:
             "residual": self.residual,
             "sinks": self.sinks,
             "chunk": self.chunk,
+            "window": None if self.window is None else self.window.spec(),
             "keys": [t.spec() for t in self.keys.transforms],
             "values": [t.spec() for t in self.values.transforms],
         }
@@ -467,6 +480,7 @@ class KVPipeline:
             residual=config["residual"],
             sinks=config["sinks"],
             chunk=config["chunk"],
+            window=None if config.get("window") is None else DynamicWindow.from_spec(config["window"]),
         )
         pipe.name, pipe.options = config["name"], config["options"]
         if (path / PARAMS_FILE).is_file():
@@ -481,7 +495,8 @@ class KVPipeline:
             return "[" + ", ".join(repr(t) for t in c.transforms) + "]"
 
         return (
-            f"KVPipeline(name={self.name!r}, residual={self.residual}, sinks={self.sinks}, chunk={self.chunk},\n"
+            f"KVPipeline(name={self.name!r}, residual={self.residual}, sinks={self.sinks}, chunk={self.chunk}, "
+            f"window={self.window},\n"
             f"  keys={chain(self.keys)},\n  values={chain(self.values)})"
         )
 

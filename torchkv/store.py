@@ -2,8 +2,8 @@
 
 Tokens are held in absolute order: the first `sinks` tokens in full precision, then encoded chunks,
 then a full-precision residual window. New tokens enter the window; once it holds
-`residual + chunk` tokens, the oldest whole chunks are encoded. No full-precision copy of an
-encoded token is kept.
+`residual + chunk` tokens, the oldest whole chunks are encoded, unless the pipeline's window policy
+lets the window grow instead. No full-precision copy of an encoded token is kept.
 """
 
 from collections.abc import Callable, Mapping
@@ -50,6 +50,7 @@ class KVStore:
         self.length = 0  # tokens held
         self.n_encoded = 0  # tokens held in encoded chunks
         self.n_residual = 0  # tokens held in the residual window
+        self.window_limit = self.pipeline.residual + self.pipeline.chunk  # a full window holds this many
         self.sink_k: torch.Tensor | None = None  # [B, H, S, D]
         self.sink_v: torch.Tensor | None = None
         self.encoded: dict[str, torch.Tensor] = {}  # chunk states concatenated along dim 2
@@ -67,11 +68,13 @@ class KVStore:
         return 0 if self.sink_k is None else self.sink_k.shape[2]
 
     def _reserve(self, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
-        """Make the window buffers hold `tokens` (they grow by doubling up to `residual + chunk`)."""
+        """Make the window buffers hold `tokens` (they grow by doubling up to the window's largest size)."""
         have = 0 if self.res_k is None else self.res_k.shape[2]
         if tokens <= have:
             return
-        size = min(max(tokens, 2 * have), self.pipeline.residual + self.pipeline.chunk)
+        pipe = self.pipeline
+        largest = pipe.residual + pipe.chunk if pipe.window is None else pipe.window.max_window
+        size = max(tokens, min(2 * have, largest))
         b, h = k.shape[:2]
         res_k, res_v = k.new_zeros(b, h, size, k.shape[-1]), v.new_zeros(b, h, size, v.shape[-1])
         res_valid = torch.zeros(b, size, dtype=torch.bool, device=k.device)
@@ -93,6 +96,7 @@ class KVStore:
         valid: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         inputs: Mapping[str, torch.Tensor] | None = None,
+        attention: torch.Tensor | None = None,
     ) -> None:
         """Add tokens at the end of the sequence.
 
@@ -102,13 +106,16 @@ class KVStore:
             positions: [B or 1, T] position ids (default: their index in the sequence).
             inputs: model-side tensors of these T tokens that `prepare` may read (e.g. "queries");
                 only the first call, the prompt, prepares.
+            attention: [T, sinks + window + T] float32, the attention probability each new token's
+                query gave each full-precision token (sinks, window, new tokens), averaged over batch
+                rows and query heads; what the pipeline's window policy decides on.
         """
         pipe = self.pipeline
         b, _, t, _ = k.shape
         if self.params is None:
             self.params = {n: p.to(k.device) for n, p in pipe.layer_params(self.layer).items()}
         n = self.n_residual
-        if n + t < pipe.residual + pipe.chunk and self.n_sinks == pipe.sinks and self.length and not self.tracks_positions:
+        if n + t < self.window_limit and self.n_sinks == pipe.sinks and self.length and not self.tracks_positions:
             # a decode step: no chunk completes, the tokens only enter the window
             self._reserve(k, v, n + t)
             self.res_k[:, :, n : n + t], self.res_v[:, :, n : n + t] = k, v
@@ -142,7 +149,10 @@ class KVStore:
         else:
             buf_k, buf_v, buf_valid = k, v, valid
         total = buf_k.shape[2]
-        flush = max(0, (total - pipe.residual) // pipe.chunk) * pipe.chunk
+        if pipe.window is None or attention is None or take > 0:
+            flush = ((total - self.window_limit) // pipe.chunk + 1) * pipe.chunk if total >= self.window_limit else 0
+        else:
+            flush = self._flush_dynamic(n, attention.tolist())
         if flush:
             start = self.n_sinks + self.n_encoded
             state = pipe.encode_chunk(
@@ -163,6 +173,20 @@ class KVStore:
             self.res_v[:, :, :rest] = buf_v[:, :, flush:]
             self.res_valid[:, :rest] = buf_valid[:, flush:]
         self.n_residual = rest
+
+    def _flush_dynamic(self, n: int, attention: list[list[float]]) -> int:
+        """Tokens to encode from the front of the window plus the new tokens, which enter one at a time;
+        each time the window is full the policy reads that token's attention row (`attention[i]`)."""
+        pipe, s, flushed = self.pipeline, self.n_sinks, 0
+        for i, row in enumerate(attention):
+            held = n + i + 1 - flushed
+            if held < self.window_limit:
+                continue
+            if pipe.window.grows(row[s + flushed], row[s + n + i], self.window_limit):
+                self.window_limit += 1
+            else:
+                flushed += (held - pipe.residual) // pipe.chunk * pipe.chunk
+        return flushed
 
     def decode_encoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoded chunks reconstructed, `[B, H, n_encoded, D]` each in the cache dtype (transient)."""

@@ -221,21 +221,30 @@ def torchkv_attention(
     start = store.length
     commit = (attention_mask.valid(start, start + k_new.shape[2]), kwargs.get("position_ids"), {"queries": query})
     if query.shape[2] == 1 and store.n_encoded and store.pipeline.fused and not layer.simulated:
-        out = _fused_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
-        layer.commit(*commit)
+        out, fp_attention = _fused_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
+        layer.commit(*commit, attention=fp_attention[None] if store.pipeline.window else None)
         return out.transpose(1, 2).contiguous(), None
     if layer.simulated:  # every token, the queries' own included, is read in its stored form
         layer.commit(*commit)
         keys, values = store.history()
         out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
         return out.transpose(1, 2).contiguous(), None
-    if store.length:
-        k_old, v_old = store.history()
-        keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
-    else:
-        keys, values = k_new, v_new
-    out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
-    layer.commit(*commit)
+    if not store.length:
+        out = _attend(query, k_new, v_new, attention_mask, scaling, softcap, kernel)
+        layer.commit(*commit)
+        return out.transpose(1, 2).contiguous(), None
+    k_old, v_old = store.history()
+    keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
+    if store.pipeline.window is None:
+        out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
+        layer.commit(*commit)
+        return out.transpose(1, 2).contiguous(), None
+    # a window policy reads this step's own probabilities of the full-precision tokens
+    mask = attention_mask.dense(query.shape[2], keys.shape[2], query.device)
+    out, probs = attend_dense(query, keys, values, mask, scaling, softcap)
+    probs = probs.mean((0, 1, 2))  # [Q, N], N in token order: sinks, encoded, window, new
+    fp = torch.cat([probs[:, : store.n_sinks], probs[:, store.n_sinks + store.n_encoded :]], 1)
+    layer.commit(*commit, attention=fp)
     return out.transpose(1, 2).contiguous(), None
 
 

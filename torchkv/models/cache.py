@@ -53,11 +53,15 @@ class TorchKVLayer(CacheLayerMixin):
         self.pending = (key_states, value_states)
         return self, self
 
-    def commit(self, valid: torch.Tensor | None, positions: torch.Tensor | None, inputs: dict) -> None:
-        """Move the staged tokens into the store (called by the attention function after attending)."""
+    def commit(
+        self, valid: torch.Tensor | None, positions: torch.Tensor | None, inputs: dict,
+        attention: torch.Tensor | None = None,
+    ) -> None:
+        """Move the staged tokens into the store (called by the attention function after attending;
+        `attention` as `KVStore.append` takes it)."""
         k, v = self.pending
         self.pending = None
-        self.store.append(k, v, valid=valid, positions=positions, inputs=inputs)
+        self.store.append(k, v, valid=valid, positions=positions, inputs=inputs, attention=attention)
 
     def get_seq_length(self) -> int:
         staged = 0 if self.pending is None else self.pending[0].shape[2]

@@ -1,0 +1,40 @@
+"""Window policies: when the full-precision window of a `KVStore` is full, flush it or let it grow.
+
+Without a policy, a window that reaches `residual + chunk` tokens flushes its oldest whole chunks.
+`DynamicWindow` is SubKV's rule (§3.5; spec §3.3 step 4 with decisions A4–A8): at that moment the
+newest query's attention decides instead.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DynamicWindow:
+    """Grow the full window by one token, instead of flushing it, while its oldest token receives at
+    least as much attention from the newest query as that query's own token (ties grow, A8); the
+    probabilities are averaged over batch rows and query heads first (one decision per layer, A7).
+
+    The window never grows past `max_window` tokens (the paper's window grows without bound, A4),
+    nor shrinks back after a flush (paper-literal A4).
+    """
+
+    max_window: int
+
+    def __post_init__(self):
+        if not isinstance(self.max_window, int) or self.max_window < 1:
+            raise ValueError(f"max_window={self.max_window!r} must be a positive integer (tokens)")
+
+    def grows(self, p_edge: float, p_new: float, limit: int) -> bool:
+        """Whether a full window of `limit` tokens grows, given the mean attention probability of its
+        oldest token (`p_edge`) and of the newest token (`p_new`)."""
+        return p_edge >= p_new and limit < self.max_window
+
+    def spec(self) -> dict[str, Any]:
+        return {"policy": "dynamic", "max_window": self.max_window}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> "DynamicWindow":
+        if spec.get("policy") != "dynamic":
+            raise ValueError(f"unknown window policy {spec!r}; known: 'dynamic'")
+        return cls(spec["max_window"])
