@@ -41,6 +41,8 @@ def _eval(args) -> None:
     overrides = {"simulated": args.simulated, "split": args.split}
     if args.ppl_docs:
         overrides["ppl_docs"] = {int(k): int(v) for k, v in (kv.split(":") for kv in args.ppl_docs.split(","))}
+    if args.ppl_prompt:
+        overrides["ppl_prompt"] = args.ppl_prompt
     if args.retrieval_contexts:
         overrides["retrieval_contexts"] = _csv_ints(args.retrieval_contexts)
     if args.retrieval_cases:
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--simulated", action="store_true", help="also perplexity with every token quantized")
     ev.add_argument("--quick", action="store_true", help="small samples (a few minutes)")
     ev.add_argument("--ppl-docs", help="context:documents pairs, e.g. 2048:2,8192:1")
+    ev.add_argument("--ppl-prompt", type=float, help="fraction of each ppl document fed first as one prompt "
+                    "(compressed at prefill; only later tokens scored), e.g. 0.5")
     ev.add_argument("--retrieval-contexts", help="e.g. 2048,4096,8192")
     ev.add_argument("--retrieval-cases", type=int, help="seeded cases per context (default 50)")
     ev.add_argument("--speed-contexts", help="contexts of the generation profile, e.g. 1024,4096")

@@ -12,7 +12,7 @@ import torch
 from torchkv import registry
 from torchkv._compat import recompile_headroom
 from torchkv.transforms import Context, Transform, build
-from torchkv.window import DynamicWindow
+from torchkv import window as windows
 
 CONFIG_FILE = "torchkv_config.json"
 PARAMS_FILE = "torchkv_params.safetensors"
@@ -189,8 +189,9 @@ class KVPipeline:
         sinks: first tokens of the sequence kept in full precision.
         chunk: tokens encoded together; a multiple of every transform's token group.
             Default: the smallest such multiple.
-        window: a window policy (`DynamicWindow`): the newest query's attention decides whether a
-            full window (`residual + chunk` tokens) flushes or grows. None: it always flushes.
+        window: a window policy (`torchkv.window`): `DynamicWindow` lets the newest query's attention
+            decide whether a full window (`residual + chunk` tokens) flushes or grows; `PromptOnly`
+            keeps every token after the prompt in full precision. None: a full window always flushes.
         compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
             attention then reads packed codes directly when both chains allow it (`fused`).
     """
@@ -203,7 +204,7 @@ class KVPipeline:
         residual: int = 128,
         sinks: int = 0,
         chunk: int | None = None,
-        window: DynamicWindow | None = None,
+        window: windows.WindowPolicy | None = None,
         compile: bool = True,
     ):
         self.keys, self.values = Chain(keys), Chain(values)
@@ -216,7 +217,7 @@ class KVPipeline:
             raise ValueError(
                 f"chunk={chunk!r} must be a positive multiple of {multiple}, the token group of the transforms"
             )
-        if window is not None and window.max_window < residual + chunk:
+        if window is not None and window.max_window is not None and window.max_window < residual + chunk:
             raise ValueError(
                 f"max_window={window.max_window} is below the window's starting size residual + chunk = "
                 f"{residual + chunk}; raise max_window or lower residual/chunk"
@@ -404,6 +405,32 @@ class KVPipeline:
 
     # -- accounting ----------------------------------------------------------------------------------
 
+    @property
+    def selector(self) -> Transform | None:
+        """The key transform that picks the encoded tokens each attention step reads (sparse attention)."""
+        return next((t for t in self.keys.transforms if hasattr(t, "select")), None)
+
+    def decode_rows(
+        self,
+        state: Mapping[str, torch.Tensor],
+        head_dim: int,
+        prepared: Mapping[str, torch.Tensor],
+        inputs: Mapping[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_chunk` of encoded rows gathered from anywhere in the history (eager), their token-grouped
+        metadata expanded to one row per token: token-grouped transforms decode with groups of 1."""
+        if not hasattr(self, "_row_chains"):
+            self._row_chains = tuple(
+                Chain([type(t)(**{**dataclasses.asdict(t.config), "group": 1}) if t.token_multiple > 1 else t
+                       for t in chain.transforms])
+                for chain in (self.keys, self.values)
+            )
+        keys, values = self._row_chains
+        k = keys.decode(_sub(state, "k."), head_dim, _sub(params, "k."), _sub(prepared, "k."), inputs)
+        v = values.decode(_sub(state, "v."), head_dim, _sub(params, "v."), _sub(prepared, "v."), inputs)
+        return k, v
+
     def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0) -> BitsPerValue:
         """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors."""
         gen = torch.Generator().manual_seed(seed)
@@ -480,7 +507,7 @@ class KVPipeline:
             residual=config["residual"],
             sinks=config["sinks"],
             chunk=config["chunk"],
-            window=None if config.get("window") is None else DynamicWindow.from_spec(config["window"]),
+            window=None if config.get("window") is None else windows.from_spec(config["window"]),
         )
         pipe.name, pipe.options = config["name"], config["options"]
         if (path / PARAMS_FILE).is_file():

@@ -73,8 +73,10 @@ class KVStore:
         if tokens <= have:
             return
         pipe = self.pipeline
-        largest = pipe.residual + pipe.chunk if pipe.window is None else pipe.window.max_window
-        size = max(tokens, min(2 * have, largest))
+        if pipe.window is None:
+            size = max(tokens, min(2 * have, pipe.residual + pipe.chunk))
+        else:
+            size = max(tokens, min(2 * have, pipe.window.max_window or 2 * have))
         b, h = k.shape[:2]
         res_k, res_v = k.new_zeros(b, h, size, k.shape[-1]), v.new_zeros(b, h, size, v.shape[-1])
         res_valid = torch.zeros(b, size, dtype=torch.bool, device=k.device)
@@ -149,7 +151,9 @@ class KVStore:
         else:
             buf_k, buf_v, buf_valid = k, v, valid
         total = buf_k.shape[2]
-        if pipe.window is None or attention is None or take > 0:
+        if pipe.window is not None and not pipe.window.compresses_after_prompt and not first:
+            flush = 0
+        elif pipe.window is None or attention is None or take > 0:
             flush = ((total - self.window_limit) // pipe.chunk + 1) * pipe.chunk if total >= self.window_limit else 0
         else:
             flush = self._flush_dynamic(n, attention.tolist())
@@ -199,6 +203,32 @@ class KVStore:
             params=self.params,
         )
         return k.to(self.dtype), v.to(self.dtype)
+
+    def gather_encoded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoded tokens reconstructed from only their own rows of the encoded state (sparse attention).
+
+        Args:
+            tokens: [B, H, N] indices among the encoded tokens, chosen per KV head.
+
+        Returns:
+            (k, v) each `[B, H, N, D]` in the cache dtype (transient).
+        """
+        b, h, n = tokens.shape
+        ks, vs = [], []
+        for head in range(h):  # the encoded rows of a token may hold every head (SVDq's shared latent)
+            idx = tokens[:, head]  # [B, N]
+            rows = {}
+            for name, t in self.encoded.items():
+                per_row = self.n_encoded // t.shape[2]  # tokens per row: 1, or a token group's size
+                index = (idx // per_row).view(b, 1, n, *[1] * (t.dim() - 3)).expand(b, t.shape[1], n, *t.shape[3:])
+                rows[name] = t.gather(2, index)
+            inputs = {}
+            if self.tracks_positions:
+                inputs["cos"], inputs["sin"] = self.rope(self.positions.gather(1, self.n_sinks + idx))
+            k, v = self.pipeline.decode_rows(rows, self.head_dim, self.prepared, inputs, self.params)
+            ks.append(k[:, head])
+            vs.append(v[:, head])
+        return torch.stack(ks, 1).to(self.dtype), torch.stack(vs, 1).to(self.dtype)
 
     def history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token held, in order, reconstructed: `(k, v)` each `[B, H, length, D]` (transient)."""

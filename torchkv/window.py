@@ -2,11 +2,12 @@
 
 Without a policy, a window that reaches `residual + chunk` tokens flushes its oldest whole chunks.
 `DynamicWindow` is SubKV's rule (§3.5; spec §3.3 step 4 with decisions A4–A8): at that moment the
-newest query's attention decides instead.
+newest query's attention decides instead. `PromptOnly` compresses the prompt and keeps every later
+token in full precision (SVDq's generated tokens, spec S7).
 """
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,9 @@ class DynamicWindow:
     """
 
     max_window: int
+    #: the store passes each new token's attention probabilities of the full-precision tokens
+    reads_attention: ClassVar[bool] = True
+    compresses_after_prompt: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.max_window, int) or self.max_window < 1:
@@ -33,8 +37,28 @@ class DynamicWindow:
     def spec(self) -> dict[str, Any]:
         return {"policy": "dynamic", "max_window": self.max_window}
 
-    @classmethod
-    def from_spec(cls, spec: dict[str, Any]) -> "DynamicWindow":
-        if spec.get("policy") != "dynamic":
-            raise ValueError(f"unknown window policy {spec!r}; known: 'dynamic'")
-        return cls(spec["max_window"])
+
+
+@dataclass(frozen=True)
+class PromptOnly:
+    """The prompt's chunks are encoded as usual; every token appended after the prompt stays in the
+    (unbounded) full-precision window."""
+
+    max_window: ClassVar[None] = None
+    reads_attention: ClassVar[bool] = False
+    compresses_after_prompt: ClassVar[bool] = False
+
+    def spec(self) -> dict[str, Any]:
+        return {"policy": "prompt_only"}
+
+
+WindowPolicy = DynamicWindow | PromptOnly
+
+
+def from_spec(spec: dict[str, Any]) -> WindowPolicy:
+    """The policy a `spec()` describes (what `KVPipeline.from_pretrained` reads)."""
+    if spec.get("policy") == "dynamic":
+        return DynamicWindow(spec["max_window"])
+    if spec.get("policy") == "prompt_only":
+        return PromptOnly()
+    raise ValueError(f"unknown window policy {spec!r}; known: 'dynamic', 'prompt_only'")

@@ -19,9 +19,11 @@ EXAMPLES = {
         {"bits": 3, "axis": "token", "group": 32, "meta_dtype": "float32"},
     ],
     ("quantize", "cast"): [{"dtype": "float16"}, {"dtype": "bfloat16"}],
-    ("pack", "bits"): [{"bits": 3}, {"bits": 2}],
+    ("pack", "bits"): [{"bits": 3}, {"bits": 2}, {"bits": (8, 4, 2, 1)}],
     ("project", "query_subspace"): [{}],
     ("quantize", "squat"): [{"bits": 2, "group": 8}, {"bits": 3, "group": 32}],
+    ("project", "svd"): [{"basis_dtype": "float32"}],
+    ("quantize", "schedule"): [{"bits": (8, 4, 2, 1), "group": 8}, {"bits": (4, 4), "group": 32}],
 }
 CASES = [(kind, name, cfg) for (kind, name), cfgs in EXAMPLES.items() for cfg in cfgs]
 
@@ -46,20 +48,29 @@ def _upstream(transform, batch: int) -> dict:
     return {}
 
 
+def _prepared(transform, x) -> dict:
+    """What `prepare` gives a transform whose encoding reads it (the prompt's SVD basis)."""
+    return transform.prepare(x, Context(dim=x.shape[-1])) if "basis" in transform.prepares else {}
+
+
 def _input(transform, shape, seed):
     g = torch.Generator().manual_seed(seed)
     if transform.kind == "pack":
-        return torch.randint(0, 2**transform.config.bits, shape, generator=g, dtype=torch.uint8)
+        widths = transform.config.bits
+        high = 2 ** min(widths) if isinstance(widths, tuple) else 2**widths
+        return torch.randint(0, high, shape, generator=g, dtype=torch.uint8)
     return torch.randn(shape, generator=g)
 
 
 def _tolerance(transform, x, state):
     """Largest allowed |decode(encode(x)) - x| per element."""
-    if transform.kind == "quantize" and transform.name in ("uniform", "squat"):
-        dim = 3 if transform.config.axis == "token" else 2
+    if transform.kind == "quantize" and transform.name in ("uniform", "squat", "schedule"):
+        dim = 3 if getattr(transform.config, "axis", "channel") == "token" else 2
         return state["scale"].float().repeat_interleave(transform.config.group, dim=dim) / 2 * (1 + 1e-5) + 1e-6
     if transform.kind == "quantize":  # a cast: one rounding of the storage dtype
         return x.abs() * torch.finfo(getattr(torch, transform.config.dtype)).eps + 1e-6
+    if transform.name == "svd":  # an orthogonal change of basis in float32
+        return 1e-5 * (1 + x.abs().amax())
     return torch.full_like(x, 1e-5, dtype=torch.float32)
 
 
@@ -71,7 +82,7 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     shape = (batch, 3, step * chunks, d)
     x = _input(t, shape, seed)
     inputs = _rope_inputs(batch, shape[2], d, seed)
-    ctx = Context(dim=d, inputs=inputs, upstream=_upstream(t, batch))
+    ctx = Context(dim=d, inputs=inputs, upstream=_upstream(t, batch), prepared=_prepared(t, x))
     y, state = t.encode(x, ctx)
     xhat = t.decode(y, state, ctx)
     assert xhat.shape == x.shape
@@ -82,7 +93,9 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     parts = []
     for i in range(chunks):
         sl = slice(i * step, (i + 1) * step)
-        part_ctx = Context(dim=d, inputs={k: v[:, sl] for k, v in inputs.items()}, upstream=ctx.upstream)
+        part_ctx = Context(
+            dim=d, inputs={k: v[:, sl] for k, v in inputs.items()}, upstream=ctx.upstream, prepared=ctx.prepared
+        )
         parts.append(t.encode(x[:, :, sl], part_ctx))
     y_cat = torch.cat([p[0] for p in parts], 2)
     state_cat = {k: torch.cat([p[1][k] for p in parts], 2) for k in state}
@@ -95,10 +108,10 @@ def test_compiled_equals_eager(kind, name, cfg):
     t = registry.transform_class(kind, name)(**cfg)
     x = _input(t, (2, 3, 64, 64), 0)
     ctx = Context(dim=64, inputs=_rope_inputs(2, 64, 64))
-    upstream = _upstream(t, 2)
+    upstream, prepared = _upstream(t, 2), _prepared(t, x)
 
     def roundtrip(x, inputs):
-        c = Context(dim=64, inputs=inputs, upstream=upstream)
+        c = Context(dim=64, inputs=inputs, upstream=upstream, prepared=prepared)
         y, state = t.encode(x, c)
         return y, t.decode(y, state, c)
 

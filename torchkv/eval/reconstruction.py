@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import torch
 
+import torchkv.transforms as T
 from torchkv.models.arch import rope_fn
 from torchkv.pipeline import KVPipeline
 
@@ -40,3 +41,20 @@ def held_out_logit_error(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor) 
     b, h, _, d = k.shape
     rows = q.reshape(b, h, -1, d)  # [B, H, n_rep·T', D], the query heads of each KV head stacked
     return float((rows.float() @ (k_hat - k).float().transpose(-1, -2)).abs().mean())
+
+
+def key_rel_error(pipe: KVPipeline, model, layers: list[tuple[torch.Tensor, ...]], prompt: int) -> float:
+    """‖k̂ - k‖ / ‖k‖ over every layer's first `prompt` keys (post-RoPE; RoPE preserves the error norm)."""
+    err = norm = 0.0
+    for (_, k, _), (_, k_hat, _) in zip(layers, reconstruct_prompt(pipe, model, layers, prompt)):
+        k = k[:, :, :prompt]
+        err += float((k_hat - k).double().pow(2).sum())
+        norm += float(k.double().pow(2).sum())
+    return (err / norm) ** 0.5
+
+
+def per_channel_keys(bits: int, group: int) -> KVPipeline:
+    """SVDq's baseline: pre-RoPE keys quantized per channel in the original space, ranges over `group`
+    tokens (values kept exactly)."""
+    return KVPipeline([T.rotate("pre_rope"), T.quantize(bits=bits, axis="channel", group=group), T.pack()],
+                      [T.quantize("cast", dtype="float32")], residual=0)

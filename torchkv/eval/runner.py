@@ -29,6 +29,8 @@ class EvalSettings:
 
     ppl_docs: dict[int, int] = dataclasses.field(default_factory=lambda: {2048: 2, 8192: 1})
     block: int = 64
+    #: fraction of each perplexity document fed first as one prompt; then only later tokens are scored
+    ppl_prompt: float = 0.0
     simulated: bool = False
     retrieval_contexts: tuple[int, ...] = (2048, 4096)
     retrieval_cases: int = 50
@@ -96,7 +98,8 @@ def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: 
     modes = ["streaming"] + (["simulated"] if settings.simulated and row.kind == "torchkv" else [])
     out["ppl"] = {
         mode: {str(length): perplexity(model, documents(tokenizer, length, count), row, settings.block,
-                                       simulated=mode == "simulated", progress=progress)
+                                       simulated=mode == "simulated", progress=progress,
+                                       prompt=int(settings.ppl_prompt * length))
                for length, count in sorted(settings.ppl_docs.items())}
         for mode in modes
     }

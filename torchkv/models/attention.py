@@ -186,6 +186,25 @@ def _fused_decode(query, store, k_new, v_new, spec: MaskSpec, scaling: float, so
     )
 
 
+def _sparse(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
+    """Attention reading only the encoded chunks the pipeline's selector picks for these queries, then
+    the full-precision tokens (sinks, window) and the new ones, causal among themselves."""
+    if not spec.causal:
+        raise ValueError("sparse attention over encoded chunks supports unpadded batches under the plain causal "
+                         "mask; use the preset with sparse=0 for padded batches or sliding-window layers")
+    selector = store.pipeline.selector
+    prefix = f"k.{store.pipeline.keys.transforms.index(selector)}."
+    own = {n[len(prefix) :]: t for n, t in store.prepared.items() if n.startswith(prefix)}
+    tokens = selector.select(query, own, store.n_encoded, scaling)
+    k_sel, v_sel = store.gather_encoded(tokens)
+    k_fp, v_fp = store.full_precision(k_new, v_new)
+    keys, values = torch.cat([k_sel, k_fp], 2), torch.cat([v_sel, v_fp], 2)
+    q_len, before = query.shape[2], keys.shape[2] - k_new.shape[2]
+    mask = torch.ones(q_len, keys.shape[2], dtype=torch.bool, device=query.device)
+    mask[:, before:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+    return attend_dense(query, keys, values, mask[None, None], scaling, softcap)[0]
+
+
 def torchkv_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -222,7 +241,12 @@ def torchkv_attention(
     commit = (attention_mask.valid(start, start + k_new.shape[2]), kwargs.get("position_ids"), {"queries": query})
     if query.shape[2] == 1 and store.n_encoded and store.pipeline.fused and not layer.simulated:
         out, fp_attention = _fused_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
-        layer.commit(*commit, attention=fp_attention[None] if store.pipeline.window else None)
+        window = store.pipeline.window
+        layer.commit(*commit, attention=fp_attention[None] if window and window.reads_attention else None)
+        return out.transpose(1, 2).contiguous(), None
+    if store.n_encoded and store.pipeline.selector is not None and not layer.simulated:
+        out = _sparse(query, store, k_new, v_new, attention_mask, scaling, softcap)
+        layer.commit(*commit)
         return out.transpose(1, 2).contiguous(), None
     if layer.simulated:  # every token, the queries' own included, is read in its stored form
         layer.commit(*commit)
@@ -235,7 +259,7 @@ def torchkv_attention(
         return out.transpose(1, 2).contiguous(), None
     k_old, v_old = store.history()
     keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
-    if store.pipeline.window is None:
+    if store.pipeline.window is None or not store.pipeline.window.reads_attention:
         out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
         layer.commit(*commit)
         return out.transpose(1, 2).contiguous(), None

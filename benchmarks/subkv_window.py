@@ -1,0 +1,78 @@
+"""SubKV's dynamic window over a generation: how long the full-precision windows get, and what they cost.
+
+After a held-out Wikipedia prompt, greedy decoding runs through each row's cache; after every step the
+window length (full-precision tokens after the sink) of each of the 30 layers is recorded. Reported per
+row: mean and max window length over steps and layers, the largest window bound any layer reached,
+how many layers grew at all, and the cache bytes at the end against the same preset with a fixed window.
+
+    python benchmarks/subkv_window.py --out benchmarks/results/subkv_window.json
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import torchkv
+from torchkv.eval.data import documents
+from torchkv.eval.rows import method
+from torchkv.eval.runner import machine
+
+
+@torch.no_grad()
+def window_profile(model, ids: torch.Tensor, row: str, new_tokens: int) -> dict:
+    """Greedy-decode `new_tokens` after `ids` through the row's cache, recording window lengths per step."""
+    m = method(row)
+    with m.active(model):
+        cache = m.new_cache(model)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        lengths = []  # [steps][layers]
+        for _ in range(new_tokens):
+            token = logits[:, -1:].argmax(-1)
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            lengths.append([layer.store.n_residual for layer in cache.layers])
+    steps = torch.tensor(lengths, dtype=torch.float64)
+    limits = [layer.store.window_limit for layer in cache.layers]
+    base = m.pipeline.residual + m.pipeline.chunk
+    return {
+        "row": row,
+        "mean_window": float(steps.mean()),
+        "max_window": int(steps.max()),
+        "largest_bound": max(limits),
+        "layers_grown": sum(limit > base for limit in limits),
+        "cache_bytes": cache.nbytes(),
+        "window_bytes": sum(layer.store.res_k.untyped_storage().nbytes() + layer.store.res_v.untyped_storage().nbytes()
+                            for layer in cache.layers),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--rows", default="subkv-2bit,subkv-2bit:dynamic=False,subkv-4bit,subkv-4bit:dynamic=False")
+    parser.add_argument("--out", default="benchmarks/results/subkv_window.json")
+    args = parser.parse_args(argv)
+    model, tokenizer = torchkv.load_model()
+    ids = documents(tokenizer, args.prompt, 1)
+    rows = []
+    print("| row | mean window | max window | largest bound | layers grown | cache MiB | window buffers MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for row in args.rows.split(","):
+        r = window_profile(model, ids, row, args.new_tokens)
+        rows.append(r)
+        print(f"| {row} | {r['mean_window']:.1f} | {r['max_window']} | {r['largest_bound']} | {r['layers_grown']}/30 "
+              f"| {r['cache_bytes'] / 2**20:.2f} | {r['window_bytes'] / 2**20:.2f} |", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"kind": "subkv_window", "model": "smollm2-135m", "prompt": args.prompt, "new_tokens": args.new_tokens,
+            "torch": torch.__version__, "torchkv": torchkv.__version__, "machine": machine(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
