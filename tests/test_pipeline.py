@@ -70,7 +70,7 @@ def test_kivi_bits_and_error_ordering(name, bits, error_bound_ratio):
 def test_overrides_and_their_errors():
     pipe = KVPipeline.from_preset("kivi-2bit", residual=64, sinks=4)
     assert (pipe.residual, pipe.sinks) == (64, 4) and pipe.options["residual"] == 64
-    with pytest.raises(ValueError, match=r"no option\(s\) \['bitz'\]; valid options: \['group', 'residual', 'sinks'\]"):
+    with pytest.raises(ValueError, match=r"no option\(s\) \['bitz'\]; valid options: \['group', 'residual', 'sinks', 'values'\]"):
         KVPipeline.from_preset("kivi-2bit", bitz=3)
 
 

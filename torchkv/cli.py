@@ -65,6 +65,7 @@ def _report(args) -> None:
 
     results = load(args.results)
     out_dir = Path(args.out_dir or Path(args.results).parent)
+    out_dir.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results)
     (out_dir / (Path(args.results).stem + ".md")).write_text(table + "\n")
     print(table)

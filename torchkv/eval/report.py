@@ -86,11 +86,14 @@ def markdown_table(results: dict) -> str:
         cells.append(_num(growth and growth / 2**20, ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
     meta = results["meta"]
+    prompt = meta["settings"].get("ppl_prompt", 0.0)
+    first = f"the first {prompt:g} of each document as one prompt, then " if prompt else ""
+    scored = " (only tokens after the prompt are scored)" if prompt else ""
     lines += [
         "",
         f"{meta['model']} ({meta['dtype']}), torch {meta['torch']}, transformers {meta['transformers']}, "
-        f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores). ppl streaming: blocks of "
-        f"{meta['settings']['block']} tokens read the compressed history; simulated: every token is read "
+        f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores). ppl streaming: {first}blocks of "
+        f"{meta['settings']['block']} tokens read the compressed history{scored}; simulated: every token is read "
         "compressed (no full-precision window, no sinks). Increases are against the full-precision DynamicCache "
         "row. bits/value (cache): all cache bytes (windows, metadata) per cached value at the generation context; "
         "(encoded): compressed tokens only.",
