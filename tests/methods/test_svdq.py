@@ -84,9 +84,9 @@ def test_schedule_codes_and_per_channel_error_bounds(seed, bits):
 
 @given(seed=st.integers(0, 10_000))
 def test_beats_per_channel_quantization_when_the_spectrum_decays(seed):
-    """Q19 (the spec's corrected claim, S5): with a strongly decaying spectrum mixed over the channels,
-    SVDq at b̄ = 2 has a lower key error than per-channel quantization at 2 bits; the analysis schedule's
-    RMS ratio 2^{-b} = 0.5 bounds it here (measured 0.1–0.2)."""
+    """Q19 (the spec's corrected claim, S5: a ratio near 2^{-b}, not "< 0.1"): with a strongly decaying
+    spectrum mixed over the channels, SVDq at b̄ = 2 has an RMS key error at least 2x lower than
+    per-channel quantization at 2 bits over the same 128-token ranges (measured 0.29–0.30 for seeds 0–7)."""
     keys = _keys(1, 4, 256, 16, 0.08, seed)
     svdq = KVPipeline.from_preset("svdq-2bit", group=128, compile=False)
     per_channel = KVPipeline([T.quantize(bits=2, axis="channel", group=128), T.pack()], [T.quantize("cast")])
