@@ -23,6 +23,7 @@ EXAMPLES = {
     ("project", "query_subspace"): [{}],
     ("quantize", "squat"): [{"bits": 2, "group": 8}, {"bits": 3, "group": 32}],
     ("project", "svd"): [{"basis_dtype": "float32"}],
+    ("project", "landmarks"): [{}],
     ("quantize", "schedule"): [{"bits": (8, 4, 2, 1), "group": 8}, {"bits": (4, 4), "group": 32}],
 }
 CASES = [(kind, name, cfg) for (kind, name), cfgs in EXAMPLES.items() for cfg in cfgs]
