@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from torchkv import registry
+from torchkv import window as windows
 from torchkv._compat import recompile_headroom
 from torchkv.transforms import Context, Transform, build
-from torchkv import window as windows
 
 CONFIG_FILE = "torchkv_config.json"
 PARAMS_FILE = "torchkv_params.safetensors"
@@ -226,6 +226,7 @@ class KVPipeline:
         self.name = "custom"
         self.options: dict[str, Any] = {}
         self._compiled: dict[str, Any] = {}
+        self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
 
     # -- presets -------------------------------------------------------------------------------------
 
@@ -403,8 +404,6 @@ class KVPipeline:
         params = self.layer_params(layer) if params is None else dict(params)
         return self._run("_decode", dict(state), head_dim, params, dict(prepared or {}), dict(inputs or {}))
 
-    # -- accounting ----------------------------------------------------------------------------------
-
     @property
     def selector(self) -> Transform | None:
         """The key transform that picks the encoded tokens each attention step reads (sparse attention)."""
@@ -420,7 +419,7 @@ class KVPipeline:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode_chunk` of encoded rows gathered from anywhere in the history (eager), their token-grouped
         metadata expanded to one row per token: token-grouped transforms decode with groups of 1."""
-        if not hasattr(self, "_row_chains"):
+        if self._row_chains is None:
             self._row_chains = tuple(
                 Chain([type(t)(**{**dataclasses.asdict(t.config), "group": 1}) if t.token_multiple > 1 else t
                        for t in chain.transforms])
@@ -430,6 +429,8 @@ class KVPipeline:
         k = keys.decode(_sub(state, "k."), head_dim, _sub(params, "k."), _sub(prepared, "k."), inputs)
         v = values.decode(_sub(state, "v."), head_dim, _sub(params, "v."), _sub(prepared, "v."), inputs)
         return k, v
+
+    # -- accounting ----------------------------------------------------------------------------------
 
     def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0) -> BitsPerValue:
         """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors."""
