@@ -8,16 +8,13 @@ DynamicCache's, both measured on SmolLM2-135M-Instruct in float32.
 """
 
 import argparse
-import json
-import time
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 import torchkv
 from torchkv.eval.data import documents
-from torchkv.eval.runner import machine
+from torchkv.eval.runner import write_benchmark
 from torchkv.eval.rows import cache_nbytes
 
 
@@ -51,13 +48,8 @@ def main(argv: list[str] | None = None) -> None:
                "dynamic_cache_bytes": full_bytes, "ratio": cache.nbytes() / full_bytes}
         rows.append(row)
         print(f"| {name} | {matching} | {row['cache_bytes']:,} | {row['ratio']:.3f} |", flush=True)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"kind": "agreement", "model": "smollm2-135m", "prompt": args.prompt, "new_tokens": args.new_tokens,
-            "bytes_at": args.bytes_at, "torch": torch.__version__, "torchkv": torchkv.__version__,
-            "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out_path}")
+    write_benchmark(args.out, "agreement", rows, prompt=args.prompt, new_tokens=args.new_tokens,
+                    bytes_at=args.bytes_at)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,12 @@ the prompt (decode-time queries no preset has seen) against the prompt's keys.
 """
 
 import argparse
-import json
-import time
-from pathlib import Path
 
-import torch
 
 import torchkv
 from torchkv.eval.data import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt
-from torchkv.eval.runner import machine
+from torchkv.eval.runner import write_benchmark
 from torchkv.models.capture import capture_qkv
 
 
@@ -63,13 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         print(f"| {name} | {row['bits_per_value']:.2f} | {row['key_rel_error']:.4f} | {row['value_rel_error']:.4f} "
               f"| {row['bytes_vs_fp16']:.3f} | {row['held_out_logit_error']:.4f} |", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"kind": "reconstruction", "model": "smollm2-135m", "tokens": args.tokens, "prompt": args.prompt,
-            "torch": torch.__version__, "torchkv": torchkv.__version__, "machine": machine(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_benchmark(args.out, "reconstruction", rows, tokens=args.tokens, prompt=args.prompt)
 
 
 if __name__ == "__main__":

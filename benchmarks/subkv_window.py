@@ -10,16 +10,14 @@ twice; the second, with every graph already compiled, is timed).
 """
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
 import torchkv
 from torchkv.eval.data import documents
 from torchkv.eval.rows import method
-from torchkv.eval.runner import machine
+from torchkv.eval.runner import write_benchmark
 
 
 @torch.no_grad()
@@ -72,13 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {row} | {r['mean_window']:.1f} | {r['max_window']} | {r['largest_bound']} | {r['layers_grown']}/30 "
               f"| {r['cache_bytes'] / 2**20:.2f} | {r['window_bytes'] / 2**20:.2f} | {r['decode_tokens_per_s']:.1f} |",
               flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"kind": "subkv_window", "model": "smollm2-135m", "prompt": args.prompt, "new_tokens": args.new_tokens,
-            "torch": torch.__version__, "torchkv": torchkv.__version__, "machine": machine(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_benchmark(args.out, "subkv_window", rows, prompt=args.prompt, new_tokens=args.new_tokens)
 
 
 if __name__ == "__main__":

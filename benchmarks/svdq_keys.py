@@ -9,16 +9,13 @@ encoded codes and metadata, and the per-sequence basis and mean spread over this
 """
 
 import argparse
-import json
-import time
-from pathlib import Path
 
 import torch
 
 import torchkv
 from torchkv.eval.data import documents
-from torchkv.eval.reconstruction import key_rel_error, per_channel_keys, reconstruct_prompt
-from torchkv.eval.runner import machine
+from torchkv.eval.reconstruction import key_rel_error, per_channel_keys
+from torchkv.eval.runner import write_benchmark
 from torchkv.models.arch import rope_fn
 from torchkv.models.capture import capture_qkv
 
@@ -26,17 +23,16 @@ BASELINES = {"per-channel-2bit": (2, 128), "per-channel-3bit": (3, 128), "per-ch
 
 
 def key_bits(pipe, model, layers, prompt: int) -> tuple[float, float]:
-    """(encoded bits per key value, prepared-state bits per key value), over every layer."""
-    encoded = values = prepared = 0
-    for (_, k, _), (state, _, _) in zip(layers, reconstruct_prompt(pipe, model, layers, prompt)):
-        encoded += sum(t.numel() * t.element_size() for n, t in state.items() if n.startswith("k."))
-        values += k[:, :, :prompt].numel()
-    if pipe.needs_prepare:
-        k = layers[0][1][:, :, :prompt]
-        cos, sin = rope_fn(model, 0)(torch.arange(prompt)[None])
-        state = pipe.prepare(k, k, inputs={"cos": cos, "sin": sin})
-        prepared = len(layers) * sum(t.numel() * t.element_size() for n, t in state.items() if n.startswith("k."))
-    return 8 * encoded / values, 8 * prepared / values
+    """(encoded bits per key value, from real stored tensors; prepared-state bits per key value of this
+    prompt: every layer prepares tensors of the same shapes)."""
+    k = layers[0][1][:, :, :prompt]
+    encoded = pipe.bits_per_value(k.shape[1], k.shape[-1]).keys
+    if not pipe.needs_prepare:
+        return encoded, 0.0
+    cos, sin = rope_fn(model, 0)(torch.arange(prompt)[None])
+    state = pipe.prepare(k, k, inputs={"cos": cos, "sin": sin})
+    prepared = sum(t.numel() * t.element_size() for n, t in state.items() if n.startswith("k."))
+    return encoded, 8 * prepared / k.numel()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,12 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                      "encoded_bits_per_key": encoded, "prepared_bits_per_key": prepared})
         print(f"| {name} | {error:.4f} | {error / reference:.3f} | {encoded:.3f} | {encoded + prepared:.3f} |",
               flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"kind": "svdq_keys", "model": "smollm2-135m", "prompt": args.prompt, "torch": torch.__version__,
-            "torchkv": torchkv.__version__, "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_benchmark(args.out, "svdq_keys", rows, prompt=args.prompt)
 
 
 if __name__ == "__main__":

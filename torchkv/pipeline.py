@@ -35,6 +35,13 @@ def _prefixed(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch
     return {prefix + k: v for k, v in state.items()}
 
 
+def _decode_pair(keys: "Chain", values: "Chain", state, head_dim: int, params, prepared, inputs):
+    """Keys and values `[B, H, T, head_dim]` from a pipeline's encoded state ("k."/"v." entries)."""
+    k = keys.decode(_sub(state, "k."), head_dim, _sub(params, "k."), _sub(prepared, "k."), inputs)
+    v = values.decode(_sub(state, "v."), head_dim, _sub(params, "v."), _sub(prepared, "v."), inputs)
+    return k, v
+
+
 class Chain:
     """Transforms applied in order to keys (or values); decode runs them in reverse.
 
@@ -282,9 +289,7 @@ class KVPipeline:
         }
 
     def _decode(self, state, head_dim, params, prepared, inputs):
-        k = self.keys.decode(_sub(state, "k."), head_dim, _sub(params, "k."), _sub(prepared, "k."), inputs)
-        v = self.values.decode(_sub(state, "v."), head_dim, _sub(params, "v."), _sub(prepared, "v."), inputs)
-        return k, v
+        return _decode_pair(self.keys, self.values, state, head_dim, params, prepared, inputs)
 
     def _run(self, name: str, *args):
         fn = getattr(self, name)
@@ -425,10 +430,7 @@ class KVPipeline:
                        for t in chain.transforms])
                 for chain in (self.keys, self.values)
             )
-        keys, values = self._row_chains
-        k = keys.decode(_sub(state, "k."), head_dim, _sub(params, "k."), _sub(prepared, "k."), inputs)
-        v = values.decode(_sub(state, "v."), head_dim, _sub(params, "v."), _sub(prepared, "v."), inputs)
-        return k, v
+        return _decode_pair(*self._row_chains, state, head_dim, params, prepared, inputs)
 
     # -- accounting ----------------------------------------------------------------------------------
 

@@ -79,6 +79,14 @@ def _commit() -> str | None:
         return None
 
 
+def write_benchmark(path: str | Path, kind: str, rows: list[dict], **settings) -> None:
+    """A benchmark's JSON: its rows, and a meta block with its kind and settings, the versions and the machine."""
+    meta = {"kind": kind, "model": "smollm2-135m", **settings, "torch": torch.__version__,
+            "torchkv": torchkv.__version__, "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _write(Path(path), {"meta": meta, "rows": rows})
+    print(f"wrote {path}")
+
+
 def _write(path: Path | None, results: dict) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
