@@ -35,18 +35,23 @@ def _model_inputs(pipe, k, seed=1):
     return inputs
 
 
-#: SVDq's schedules share one chain structure: three of them compile, the rest run eagerly (CI time)
-SVDQ_COMPILED = {"svdq-1.25bit", "svdq-2bit-v4", "svdq-1.25bit-sparse-v4"}
+#: SVDq's schedules share one chain structure, as do AQUA-KV's presets: a few compile, the rest run eagerly
+#: (CI time)
+COMPILED_OF_FAMILY = {"svdq-": {"svdq-1.25bit", "svdq-2bit-v4", "svdq-1.25bit-sparse-v4"}, "aquakv-": {"aquakv-2bit"}}
+
+
+def _compiled(name: str) -> bool:
+    return all(name in chosen for family, chosen in COMPILED_OF_FAMILY.items() if name.startswith(family))
 
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_roundtrips_and_accounts_real_storage(name):
-    pipe = KVPipeline.from_preset(name, compile=not name.startswith("svdq-") or name in SVDQ_COMPILED)
+    pipe = KVPipeline.from_preset(name, compile=_compiled(name))
     k, v = _kv(t=pipe.chunk * 2)
     inputs = _model_inputs(pipe, k)
     prepared = pipe.prepare(k, v, inputs=inputs) if pipe.needs_prepare else {}
     state = pipe.encode_chunk(k, v, prepared=prepared, inputs=inputs)
-    kh, vh = pipe.decode_chunk(state, head_dim=64, prepared=prepared, inputs=inputs)
+    kh, vh, *carry = pipe.decode_chunk(state, head_dim=64, prepared=prepared, inputs=inputs)  # + carry: AQUA-KV
     assert kh.shape == k.shape and vh.shape == v.shape
     assert torch.isfinite(kh).all() and torch.isfinite(vh).all()
     bits = pipe.bits_per_value(kv_heads=3, head_dim=64)

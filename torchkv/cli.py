@@ -1,4 +1,4 @@
-"""Command line: `torchkv presets | eval | report | generate`."""
+"""Command line: `torchkv presets | eval | report | generate | calibrate`."""
 
 import argparse
 import sys
@@ -98,6 +98,27 @@ def _generate(args) -> None:
           f"{cache_nbytes(reference_cache) / 2**20:.2f} MiB with DynamicCache ({cache.get_seq_length()} tokens)")
 
 
+def _calibrate(args) -> None:
+    import json
+
+    import torchkv
+    from torchkv.eval.data import split_articles
+
+    from torchkv.eval.rows import method
+
+    pipe = method(args.preset).pipeline  # a preset, with overrides after colons
+    model, tokenizer = torchkv.load_model(args.model)
+    texts = [text for _, text in split_articles("calibration")]
+    report = pipe.fit(model, texts, tokenizer=tokenizer, seq_len=args.seq_len, max_tokens=args.tokens,
+                      batch=args.batch, progress=not args.no_progress)
+    out = Path(args.out)
+    pipe.save_pretrained(out)
+    (out / "calibration.json").write_text(json.dumps({"model": args.model, "preset": args.preset, **report}, indent=2))
+    print(f"calibrated '{args.preset}' on {report['tokens']} tokens of the Wikipedia calibration split in "
+          f"{report['seconds']:.0f} s (peak RSS {report['peak_rss_mib']:.0f} MiB); wrote {out}. "
+          f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="torchkv", description="Compressed KV caches for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--model", default="smollm2-135m")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.set_defaults(run=_generate)
+
+    cal = sub.add_parser("calibrate", help="fit a pipeline's predictors (AQUA-KV) and save it to a folder")
+    cal.add_argument("--preset", required=True, help="a preset with transforms to fit, with overrides after colons, "
+                     "e.g. aquakv-2bit or aquakv-2bit:span=token")
+    cal.add_argument("--out", required=True, help="folder to save the calibrated pipeline in")
+    cal.add_argument("--model", default="smollm2-135m")
+    cal.add_argument("--tokens", type=int, default=32768, help="calibration tokens (Wikipedia calibration split)")
+    cal.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
+    cal.add_argument("--batch", type=int, default=4, help="sequences per forward of one layer")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.set_defaults(run=_calibrate)
 
     args = parser.parse_args(argv)
     try:

@@ -20,6 +20,9 @@ FORMAT_VERSION = 1
 DEFAULT_PRESET = "kivi-4bit"
 #: compiled code rounds through the stored metadata dtypes exactly as eager does
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
+#: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
+#: in the value chain, this layer's reconstructed keys ("keys"), both in projection space (see `Chain.carry_index`)
+CROSS_INPUTS = frozenset({"previous", "keys"})
 
 
 def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -40,6 +43,17 @@ def _decode_pair(keys: "Chain", values: "Chain", state, head_dim: int, params, p
     k = keys.decode(_sub(state, "k."), head_dim, _sub(params, "k."), _sub(prepared, "k."), inputs)
     v = values.decode(_sub(state, "v."), head_dim, _sub(params, "v."), _sub(prepared, "v."), inputs)
     return k, v
+
+
+def _side_inputs(inputs: Mapping[str, torch.Tensor], side: str, keys: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """One chain's inputs in a cross-layer pipeline: "previous" is the previous layer's reconstruction of this
+    side (`inputs["previous.k"]` / `["previous.v"]`), "keys" this layer's reconstructed keys (value chain)."""
+    own = {n: t for n, t in inputs.items() if not n.startswith("previous.")}
+    if f"previous.{side}" in inputs:
+        own["previous"] = inputs[f"previous.{side}"]
+    if keys is not None:
+        own["keys"] = keys
+    return own
 
 
 class Chain:
@@ -67,6 +81,10 @@ class Chain:
             resolved.append(t)
         self.transforms = resolved
         self.fused = self._fusable()
+        #: index of the first transform after the position-dependent ones (those reading "cos"/"sin"): its
+        #: decoded output is the chain's reconstruction in the model's projection space (pre-RoPE keys),
+        #: what a cross-layer predictor of the next layer reads
+        self.carry_index = max([i + 1 for i, t in enumerate(resolved) if {"cos", "sin"} & t.requires] or [0])
 
     @property
     def token_multiple(self) -> int:
@@ -79,6 +97,11 @@ class Chain:
     @property
     def requires(self) -> frozenset[str]:
         return frozenset().union(*(t.requires for t in self.transforms))
+
+    @property
+    def predicts(self) -> bool:
+        """Some transform reads another layer's or the other chain's reconstruction (see `KVPipeline.carries`)."""
+        return bool(CROSS_INPUTS & self.requires)
 
     def _fusable(self) -> bool:
         """Decode attention can read the encoded form directly: linear transforms, then a quantizer with
@@ -166,11 +189,21 @@ class Chain:
         inputs: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
         """Encoded state -> `[B, H, T, dim]` float32."""
+        return self.decode_to(state, dim, params, prepared, inputs, 0)
+
+    def decode_to(self, state, dim: int, params, prepared, inputs, stop: int) -> torch.Tensor:
+        """Decode the transforms from the last down to `stop`: the reconstruction of transform `stop`'s input."""
         y = state["out"]
         dims = self.dims(dim)
-        for i in reversed(range(len(self.transforms))):
-            ctx = self._ctx(i, dims[i], params, prepared, None, inputs)
-            y = self.transforms[i].decode(y, _sub(state, f"{i}."), ctx)
+        for i in reversed(range(stop, len(self.transforms))):
+            y = self.transforms[i].decode(y, _sub(state, f"{i}."), self._ctx(i, dims[i], params, prepared, None, inputs))
+        return y.float()
+
+    def decode_below(self, y: torch.Tensor, stop: int, state, dim: int, params, prepared, inputs) -> torch.Tensor:
+        """Finish a `decode_to(..., stop)`: decode transforms `stop - 1` down to 0."""
+        dims = self.dims(dim)
+        for i in reversed(range(stop)):
+            y = self.transforms[i].decode(y, _sub(state, f"{i}."), self._ctx(i, dims[i], params, prepared, None, inputs))
         return y.float()
 
 
@@ -201,6 +234,8 @@ class KVPipeline:
             keeps every token after the prompt in full precision. None: a full window always flushes.
         compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
             attention then reads packed codes directly when both chains allow it (`fused`).
+        first_layer: `(keys, values)` transforms of layer 0 instead of `keys`/`values` (AQUA-KV stores the
+            first layer, which has no previous layer to predict from, at a higher width).
     """
 
     def __init__(
@@ -213,8 +248,14 @@ class KVPipeline:
         chunk: int | None = None,
         window: windows.WindowPolicy | None = None,
         compile: bool = True,
+        first_layer: tuple[list[Transform], list[Transform]] | None = None,
     ):
         self.keys, self.values = Chain(keys), Chain(values)
+        self.first_layer = None if first_layer is None else (Chain(first_layer[0]), Chain(first_layer[1]))
+        #: each layer hands its reconstruction in projection space to the next (cross-layer prediction)
+        self.carries = self.keys.predicts or self.values.predicts
+        #: what `fit` calibrated the predictors for (see `check_fitted`), or None
+        self.fitted_for: dict[str, Any] | None = None
         for arg, value in (("residual", residual), ("sinks", sinks)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{arg}={value!r} must be a non-negative integer")
@@ -234,6 +275,23 @@ class KVPipeline:
         self.options: dict[str, Any] = {}
         self._compiled: dict[str, Any] = {}
         self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
+        self._first: KVPipeline | None = None  # built by `for_layer`
+
+    def for_layer(self, layer: int) -> "KVPipeline":
+        """The pipeline that encodes `layer`: this one, or for layer 0 the `first_layer` chains with the same
+        window rules (it carries its reconstruction to layer 1 when this pipeline predicts across layers)."""
+        if layer or self.first_layer is None:
+            return self
+        first = self._first
+        if first is None or (first.residual, first.sinks, first.chunk, first.window) != (
+            self.residual, self.sinks, self.chunk, self.window
+        ):  # window rules changed (e.g. a copy made for simulated quantization)
+            keys, values = self.first_layer
+            self._first = KVPipeline(keys.transforms, values.transforms, residual=self.residual, sinks=self.sinks,
+                                     chunk=self.chunk, window=self.window)
+            self._first.carries = self.carries
+        self._first.name, self._first.options, self._first.compile = self.name, self.options, self.compile
+        return self._first
 
     # -- presets -------------------------------------------------------------------------------------
 
@@ -283,13 +341,31 @@ class KVPipeline:
     # The compiled functions take per-layer tensors, never the layer index, so that one graph serves all layers.
 
     def _encode(self, k, v, params, prepared, valid, inputs):
-        return {
-            **_prefixed(self.keys.encode(k, _sub(params, "k."), _sub(prepared, "k."), valid, inputs), "k."),
-            **_prefixed(self.values.encode(v, _sub(params, "v."), _sub(prepared, "v."), valid, inputs), "v."),
-        }
+        if not self.carries:
+            return {
+                **_prefixed(self.keys.encode(k, _sub(params, "k."), _sub(prepared, "k."), valid, inputs), "k."),
+                **_prefixed(self.values.encode(v, _sub(params, "v."), _sub(prepared, "v."), valid, inputs), "v."),
+            }
+        # closed loop: each chain's reconstruction is what the value chain and the next layer read
+        state, carry = {}, {}
+        for side, chain, x in (("k", self.keys, k), ("v", self.values, v)):
+            own = _side_inputs(inputs, side, carry.get("k"))
+            p, q = _sub(params, f"{side}."), _sub(prepared, f"{side}.")
+            encoded = chain.encode(x, p, q, valid, own)
+            carry[side] = chain.decode_to(encoded, x.shape[-1], p, q, own, chain.carry_index)
+            state.update(_prefixed(encoded, f"{side}."))
+        return {**state, **_prefixed(carry, "carry.")}
 
     def _decode(self, state, head_dim, params, prepared, inputs):
-        return _decode_pair(self.keys, self.values, state, head_dim, params, prepared, inputs)
+        if not self.carries:
+            return _decode_pair(self.keys, self.values, state, head_dim, params, prepared, inputs)
+        out, carry = [], {}
+        for side, chain in (("k", self.keys), ("v", self.values)):
+            own = _side_inputs(inputs, side, carry.get("k"))
+            s, p, q = _sub(state, f"{side}."), _sub(params, f"{side}."), _sub(prepared, f"{side}.")
+            carry[side] = chain.decode_to(s, head_dim, p, q, own, chain.carry_index)
+            out.append(chain.decode_below(carry[side], chain.carry_index, s, head_dim, p, q, own))
+        return out[0], out[1], carry
 
     def _run(self, name: str, *args):
         fn = getattr(self, name)
@@ -378,6 +454,9 @@ class KVPipeline:
 
         `valid: [B, T]` marks real tokens (False at padding). Keys' entries start with "k.", values' with "v.".
         `params` are the layer's fitted parameters (default: looked up for `layer`).
+        Pipelines that `carries` read the previous layer's reconstruction of these tokens from
+        `inputs["previous.k"]`/`["previous.v"]` and also return this layer's, `"carry.k"`/`"carry.v"`
+        `[B, H, T, D]` float32 in projection space: the next layer's "previous" (not state to store).
         """
         _check_kv(k, v)
         if k.shape[2] % self.chunk:
@@ -403,7 +482,8 @@ class KVPipeline:
         inputs: Mapping[str, torch.Tensor] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of `encode_chunk`: `(k, v)`, each `[B, H, T, head_dim]` float32."""
+        """Inverse of `encode_chunk`: `(k, v)`, each `[B, H, T, head_dim]` float32; pipelines that `carries`
+        return `(k, v, carry)` with `carry` {"k", "v"} as `encode_chunk` describes."""
         for t in (*state.values(), *(inputs or {}).values()):
             torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
         params = self.layer_params(layer) if params is None else dict(params)
@@ -434,8 +514,14 @@ class KVPipeline:
 
     # -- accounting ----------------------------------------------------------------------------------
 
-    def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0) -> BitsPerValue:
-        """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors."""
+    def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0, layers: int = 1) -> BitsPerValue:
+        """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors;
+        averaged over `layers` layers when layer 0 has its own chains (`first_layer`)."""
+        if layers > 1 and self.first_layer is not None:
+            first, rest = self.for_layer(0).bits_per_value(kv_heads, head_dim, seed), self.bits_per_value(
+                kv_heads, head_dim, seed)
+            return BitsPerValue((first.keys + (layers - 1) * rest.keys) / layers,
+                                (first.values + (layers - 1) * rest.values) / layers)
         gen = torch.Generator().manual_seed(seed)
         k, v = (torch.randn(1, kv_heads, self.chunk, head_dim, generator=gen) for _ in range(2))
         inputs = {}
@@ -464,6 +550,11 @@ class KVPipeline:
             "window": None if self.window is None else self.window.spec(),
             "keys": [t.spec() for t in self.keys.transforms],
             "values": [t.spec() for t in self.values.transforms],
+            "first_layer": None if self.first_layer is None else {
+                "keys": [t.spec() for t in self.first_layer[0].transforms],
+                "values": [t.spec() for t in self.first_layer[1].transforms],
+            },
+            "fitted_for": self.fitted_for,
         }
 
     def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
@@ -474,13 +565,52 @@ class KVPipeline:
                 out.update(_prefixed(t.layer_params(layer), f"{side}.{i}."))
         return out
 
+    def _chains(self) -> list[tuple[str, Chain]]:
+        """Every chain with the prefix of its transforms' parameters in `params()`."""
+        chains = [("k.", self.keys), ("v.", self.values)]
+        if self.first_layer is not None:
+            chains += [("first.k.", self.first_layer[0]), ("first.v.", self.first_layer[1])]
+        return chains
+
     def params(self) -> dict[str, torch.Tensor]:
-        """Fitted parameters of every transform, keyed "k.{i}.{name}" / "v.{i}.{name}"."""
+        """Fitted parameters of every transform, keyed "k.{i}.{name}" / "v.{i}.{name}" ("first." before the
+        first layer's)."""
         out = {}
-        for side, chain in (("k", self.keys), ("v", self.values)):
+        for prefix, chain in self._chains():
             for i, t in enumerate(chain.transforms):
-                out.update(_prefixed(t.params, f"{side}.{i}."))
+                out.update(_prefixed(t.params, f"{prefix}{i}."))
         return out
+
+    def check_fitted(self, num_layers: int, fingerprint: dict[str, Any]) -> None:
+        """Raise a clear error unless every transform that needs calibration is fitted, for this model.
+
+        Args:
+            num_layers: decoder layers of the model the cache is for.
+            fingerprint: `torchkv.models.calibrate.fingerprint(model)` of that model.
+        """
+        unfitted = [t for t in self.keys.transforms + self.values.transforms if t.needs_fit]
+        if not unfitted:
+            return
+        how = (f"calibrate it first: pipe.fit(model, texts), or `torchkv calibrate --preset {self.name} --out DIR` "
+               "and load DIR")
+        if self.fitted_for is None:
+            raise ValueError(f"pipeline '{self.name}' has uncalibrated transforms {unfitted}; {how}")
+        if self.fitted_for != fingerprint:
+            diff = sorted(k for k in {**fingerprint, **self.fitted_for} if fingerprint.get(k) != self.fitted_for.get(k))
+            raise ValueError(
+                f"pipeline '{self.name}' was calibrated for another model (differs in {diff}: calibrated "
+                f"{ {k: self.fitted_for.get(k) for k in diff} }, this model { {k: fingerprint.get(k) for k in diff} }); {how}"
+            )
+        missing = [layer for layer in range(1, num_layers) for t in unfitted if not t.layer_params(layer)]
+        if missing:
+            raise ValueError(f"pipeline '{self.name}' has no fitted parameters for layers {sorted(set(missing))}; {how}")
+
+    def fit(self, model, texts: list[str], **options: Any) -> dict[str, Any]:
+        """Calibrate the transforms that need it on `model` over `texts` (AQUA-KV's predictors, Alg. 1);
+        options and the returned report as `torchkv.models.calibrate.fit_pipeline` has them."""
+        from torchkv.models.calibrate import fit_pipeline
+
+        return fit_pipeline(self, model, texts, **options)
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write `torchkv_config.json` and, when there are fitted parameters, `torchkv_params.safetensors`."""
@@ -511,13 +641,16 @@ class KVPipeline:
             sinks=config["sinks"],
             chunk=config["chunk"],
             window=None if config.get("window") is None else windows.from_spec(config["window"]),
+            first_layer=None if config.get("first_layer") is None else (
+                [build(s) for s in config["first_layer"]["keys"]], [build(s) for s in config["first_layer"]["values"]]
+            ),
         )
-        pipe.name, pipe.options = config["name"], config["options"]
+        pipe.name, pipe.options, pipe.fitted_for = config["name"], config["options"], config.get("fitted_for")
         if (path / PARAMS_FILE).is_file():
             params = load_file(str(path / PARAMS_FILE))
-            for side, chain in (("k", pipe.keys), ("v", pipe.values)):
+            for prefix, chain in pipe._chains():
                 for i, t in enumerate(chain.transforms):
-                    t.params = _sub(params, f"{side}.{i}.")
+                    t.params = _sub(params, f"{prefix}{i}.")
         return pipe
 
     def __repr__(self) -> str:
@@ -527,7 +660,10 @@ class KVPipeline:
         return (
             f"KVPipeline(name={self.name!r}, residual={self.residual}, sinks={self.sinks}, chunk={self.chunk}, "
             f"window={self.window},\n"
-            f"  keys={chain(self.keys)},\n  values={chain(self.values)})"
+            f"  keys={chain(self.keys)},\n  values={chain(self.values)}"
+            + ("" if self.first_layer is None else
+               f",\n  first_layer=(keys={chain(self.first_layer[0])}, values={chain(self.first_layer[1])})")
+            + ")"
         )
 
 

@@ -28,6 +28,37 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
 _HELD = ("sink_k", "sink_v", "res_k", "res_v", "res_valid", "positions")
 
 
+class CrossLayer:
+    """What each layer's store hands the next one within a forward pass, for pipelines that predict across
+    layers (`KVPipeline.carries`): its reconstruction, in projection space, of the tokens it just encoded
+    ("encode") or of its whole encoded history ("history"). Only the latest layer's is held (transient).
+
+    Args:
+        num_layers: decoder layers; the last one keeps nothing.
+    """
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._held: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def put(self, kind: str, layer: int, carry: Mapping[str, torch.Tensor]) -> None:
+        if layer + 1 < self.num_layers:
+            self._held[kind] = (layer, dict(carry))
+        else:
+            self._held.pop(kind, None)
+
+    def take(self, kind: str, layer: int, tokens: int) -> dict[str, torch.Tensor]:
+        """Layer `layer - 1`'s carry of `tokens` tokens as inputs "previous.k"/"previous.v"."""
+        held_layer, carry = self._held.pop(kind, (None, {}))
+        if held_layer != layer - 1 or carry["k"].shape[2] != tokens:
+            raise RuntimeError(
+                f"layer {layer} predicts from layer {layer - 1}'s reconstruction of its {tokens} {kind} tokens, but "
+                f"{'nothing' if held_layer is None else f'layer {held_layer}'} handed them over; cross-layer "
+                "pipelines need every layer of one model in one cache, run in layer order"
+            )
+        return {f"previous.{side}": t for side, t in carry.items()}
+
+
 class KVStore:
     """The cache of one layer.
 
@@ -36,10 +67,16 @@ class KVStore:
         layer: the model layer index (selects per-layer fitted parameters).
         rope: the model's rotary embedding, needed when a transform requires "cos"/"sin"
             (the store then keeps every token's position id).
+        cross_layer: shared by the stores of every layer when the pipeline predicts across layers.
     """
 
-    def __init__(self, pipeline: KVPipeline, layer: int = 0, rope: RopeFn | None = None):
-        self.pipeline, self.layer, self.rope = pipeline, layer, rope
+    def __init__(
+        self, pipeline: KVPipeline, layer: int = 0, rope: RopeFn | None = None, cross_layer: CrossLayer | None = None
+    ):
+        pipeline = pipeline.for_layer(layer)
+        if pipeline.carries and cross_layer is None:
+            raise ValueError(f"pipeline '{pipeline.name}' predicts across layers; its stores need a shared CrossLayer")
+        self.pipeline, self.layer, self.rope, self.cross_layer = pipeline, layer, rope, cross_layer
         self.tracks_positions = bool({"cos", "sin"} & pipeline.requires)
         if self.tracks_positions and rope is None:
             raise ValueError(f"pipeline '{pipeline.name}' stores pre-RoPE keys; the store needs the model's rope function")
@@ -159,14 +196,19 @@ class KVStore:
             flush = self._flush_dynamic(n, attention.tolist())
         if flush:
             start = self.n_sinks + self.n_encoded
+            inputs = self._rope_inputs(start, start + flush)
+            if pipe.carries and self.layer:
+                inputs.update(self.cross_layer.take("encode", self.layer, flush))
             state = pipe.encode_chunk(
                 buf_k[:, :, :flush],
                 buf_v[:, :, :flush],
                 prepared=self.prepared,
                 valid=buf_valid[:, :flush],
-                inputs=self._rope_inputs(start, start + flush),
+                inputs=inputs,
                 params=self.params,
             )
+            if pipe.carries:
+                self.cross_layer.put("encode", self.layer, {s: state.pop(f"carry.{s}") for s in ("k", "v")})
             for name, tensor in state.items():
                 self.encoded[name] = _cat(self.encoded.get(name), tensor, 2)
             self.n_encoded += flush
@@ -194,14 +236,15 @@ class KVStore:
 
     def decode_encoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoded chunks reconstructed, `[B, H, n_encoded, D]` each in the cache dtype (transient)."""
-        start = self.n_sinks
-        k, v = self.pipeline.decode_chunk(
-            self.encoded,
-            head_dim=self.head_dim,
-            prepared=self.prepared,
-            inputs=self._rope_inputs(start, start + self.n_encoded),
-            params=self.params,
+        start, pipe = self.n_sinks, self.pipeline
+        inputs = self._rope_inputs(start, start + self.n_encoded)
+        if pipe.carries and self.layer:
+            inputs.update(self.cross_layer.take("history", self.layer, self.n_encoded))
+        k, v, *carry = pipe.decode_chunk(
+            self.encoded, head_dim=self.head_dim, prepared=self.prepared, inputs=inputs, params=self.params
         )
+        if pipe.carries:
+            self.cross_layer.put("history", self.layer, carry[0])
         return k.to(self.dtype), v.to(self.dtype)
 
     def gather_encoded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +312,7 @@ class KVStore:
         """Every tensor the store holds, by name."""
         held = {f"encoded.{n}": t for n, t in self.encoded.items()}
         held.update({f"prepared.{n}": t for n, t in self.prepared.items()})
+        held.update({f"params.{n}": t for n, t in (self.params or {}).items()})  # AQUA-KV's predictors
         for name in _HELD:
             if getattr(self, name) is not None:
                 held[name] = getattr(self, name)

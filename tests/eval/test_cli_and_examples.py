@@ -77,3 +77,22 @@ def test_squat_example():
     errors = dict(re.findall(r"^(\S+): 3\.00 bits/value, decode queries' mean \|q·δ\| = ([\d.]+)$", done.stdout, re.M))
     assert set(errors) == {"kivi-2bit", "squat-2bit"}, done.stdout
     assert "squat-2bit continues:" in done.stdout
+
+
+@pytest.mark.model
+def test_calibrate_command_saves_a_pipeline_that_eval_rows_and_patch_load(tmp_path, capsys):
+    import json
+
+    from torchkv.eval.rows import method
+
+    out = tmp_path / "aquakv"
+    main(["calibrate", "--preset", "aquakv-2bit:span=token", "--out", str(out), "--tokens", "512", "--seq-len", "256",
+          "--no-progress"])
+    assert f"wrote {out}" in capsys.readouterr().out
+    report = json.loads((out / "calibration.json").read_text())
+    assert report["preset"] == "aquakv-2bit:span=token" and report["tokens"] == 512 and len(report["layers"]) == 30
+    row = method(str(out))
+    assert row.pipeline.options["span"] == "token" and row.pipeline.fitted_for["layers"] == 30
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--preset", "kivi-2bit", "--out", str(tmp_path / "kivi")])
+    assert "nothing to calibrate" in capsys.readouterr().err

@@ -25,6 +25,13 @@ EXAMPLES = {
     ("project", "svd"): [{"basis_dtype": "float32"}],
     ("project", "landmarks"): [{}],
     ("quantize", "schedule"): [{"bits": (8, 4, 2, 1), "group": 8}, {"bits": (4, 4), "group": 32}],
+    ("quantize", "higgs"): [
+        {},
+        {"bits": 3, "span": "token"},
+        {"bits": 4, "scale_dtype": "bfloat16"},
+        {"bits": 2, "dim": 4, "span": "token", "scale_dtype": "float32"},
+    ],
+    ("predict", "linear"): [{}, {"sources": ("keys", "previous"), "weight_dtype": "float32"}],
 }
 CASES = [(kind, name, cfg) for (kind, name), cfgs in EXAMPLES.items() for cfg in cfgs]
 
@@ -34,11 +41,28 @@ def test_every_builtin_transform_is_exercised():
     assert builtin <= set(EXAMPLES), f"add examples for {builtin - set(EXAMPLES)}"
 
 
-def _rope_inputs(b, t, d, seed=0):
+def _model_inputs(b, t, d, seed=0):
+    """Rotary cos/sin [B, T, D], and the other reconstructions a predictor reads [B, 3, T, D]."""
     g = torch.Generator().manual_seed(seed)
     angles = torch.rand(b, t, d // 2, generator=g) * 6.3
     angles = torch.cat([angles, angles], -1)
-    return {"cos": angles.cos(), "sin": angles.sin()}
+    previous, keys = torch.randn(2, b, 3, t, d, generator=g)
+    return {"cos": angles.cos(), "sin": angles.sin(), "previous": previous, "keys": keys}
+
+
+def _tokens(tensor, sl):
+    """The tokens `sl` of a model input (token axis 1 of [B, T, R], 2 of [B, H, T, D])."""
+    return tensor[:, :, sl] if tensor.dim() == 4 else tensor[:, sl]
+
+
+def _params(transform, d) -> dict:
+    """Fitted parameters of a predictor: a random linear map of its sources' 3 heads."""
+    if transform.kind != "predict":
+        return {}
+    g = torch.Generator().manual_seed(1)
+    transform.fit_layer(0, torch.randn(3 * d * len(transform.config.sources), 3 * d, generator=g) / 20,
+                        torch.randn(3 * d, generator=g))
+    return transform.layer_params(0)
 
 
 def _upstream(transform, batch: int) -> dict:
@@ -68,6 +92,10 @@ def _tolerance(transform, x, state):
     if transform.kind == "quantize" and transform.name in ("uniform", "squat", "schedule"):
         dim = 3 if getattr(transform.config, "axis", "channel") == "token" else 2
         return state["scale"].float().repeat_interleave(transform.config.group, dim=dim) / 2 * (1 + 1e-5) + 1e-6
+    if transform.kind == "quantize" and transform.name == "higgs":
+        # per row, the nearest grid point is no farther than the one closest to 0: ‖x̂ − x‖ ≤ ‖x‖ + s·r0/√d
+        r0 = transform.grid.norm(dim=-1).min()
+        return state["scale"].float() * (1 + r0 / transform.config.dim**0.5) * 1.01 + 1e-6
     if transform.kind == "quantize":  # a cast: one rounding of the storage dtype
         return x.abs() * torch.finfo(getattr(torch, transform.config.dtype)).eps + 1e-6
     if transform.name == "svd":  # an orthogonal change of basis in float32
@@ -82,8 +110,8 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     d, step = 64, 32
     shape = (batch, 3, step * chunks, d)
     x = _input(t, shape, seed)
-    inputs = _rope_inputs(batch, shape[2], d, seed)
-    ctx = Context(dim=d, inputs=inputs, upstream=_upstream(t, batch), prepared=_prepared(t, x))
+    inputs = _model_inputs(batch, shape[2], d, seed)
+    ctx = Context(dim=d, params=_params(t, d), inputs=inputs, upstream=_upstream(t, batch), prepared=_prepared(t, x))
     y, state = t.encode(x, ctx)
     xhat = t.decode(y, state, ctx)
     assert xhat.shape == x.shape
@@ -95,7 +123,8 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     for i in range(chunks):
         sl = slice(i * step, (i + 1) * step)
         part_ctx = Context(
-            dim=d, inputs={k: v[:, sl] for k, v in inputs.items()}, upstream=ctx.upstream, prepared=ctx.prepared
+            dim=d, params=ctx.params, inputs={k: _tokens(v, sl) for k, v in inputs.items()}, upstream=ctx.upstream,
+            prepared=ctx.prepared,
         )
         parts.append(t.encode(x[:, :, sl], part_ctx))
     y_cat = torch.cat([p[0] for p in parts], 2)
@@ -108,11 +137,11 @@ def test_compiled_equals_eager(kind, name, cfg):
     torch.compiler.reset()  # the same `roundtrip` code serves every case: start from a clean cache
     t = registry.transform_class(kind, name)(**cfg)
     x = _input(t, (2, 3, 64, 64), 0)
-    ctx = Context(dim=64, inputs=_rope_inputs(2, 64, 64))
-    upstream, prepared = _upstream(t, 2), _prepared(t, x)
+    ctx = Context(dim=64, inputs=_model_inputs(2, 64, 64))
+    upstream, prepared, params = _upstream(t, 2), _prepared(t, x), _params(t, 64)
 
     def roundtrip(x, inputs):
-        c = Context(dim=64, inputs=inputs, upstream=upstream, prepared=prepared)
+        c = Context(dim=64, params=params, inputs=inputs, upstream=upstream, prepared=prepared)
         y, state = t.encode(x, c)
         return y, t.decode(y, state, c)
 

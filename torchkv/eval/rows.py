@@ -5,6 +5,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, QuantizedCache
@@ -13,7 +14,7 @@ from transformers.cache_utils import Cache
 from torchkv.models import patched
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache
-from torchkv.pipeline import KVPipeline
+from torchkv.pipeline import CONFIG_FILE, KVPipeline
 
 #: baseline rows: transformers' full-precision cache and its quanto-quantized cache (KIVI-like window 128)
 BASELINES = {"dynamic": None, "quanto-4bit": 4, "quanto-2bit": 2}
@@ -89,10 +90,12 @@ def _option(text: str) -> tuple[str, object]:
 
 
 def method(name: str) -> Method:
-    """A row by name: a baseline name (see `BASELINES`) or a torchkv preset, optionally with overrides
-    after colons (`kivi-2bit:residual=32:sinks=4`)."""
+    """A row by name: a baseline name (see `BASELINES`), a torchkv preset, optionally with overrides
+    after colons (`kivi-2bit:residual=32:sinks=4`), or a folder a pipeline was saved in (`torchkv calibrate`)."""
     if name in BASELINES:
         return Method(name, nbits=BASELINES[name])
+    if (Path(name) / CONFIG_FILE).is_file():
+        return Method(name, pipeline=KVPipeline.from_pretrained(name))
     preset, *options = name.split(":")
     return Method(name, pipeline=KVPipeline.from_preset(preset, **dict(map(_option, options))))
 

@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from torchkv.models.attention import PREFILL_KERNELS
 from torchkv.pipeline import KVPipeline
-from torchkv.store import KVStore, RopeFn
+from torchkv.store import CrossLayer, KVStore, RopeFn
 
 
 class TorchKVLayer(CacheLayerMixin):
@@ -29,9 +29,10 @@ class TorchKVLayer(CacheLayerMixin):
         is_sliding: bool = False,
         simulated: bool = False,
         prefill_kernel: str = "auto",
+        cross_layer: CrossLayer | None = None,
     ):
         super().__init__()
-        self.store = KVStore(pipeline, layer_idx, rope)
+        self.store = KVStore(pipeline, layer_idx, rope, cross_layer)
         self.is_sliding = is_sliding
         self.simulated = simulated
         self.prefill_kernel = prefill_kernel
@@ -127,8 +128,9 @@ class TorchKVCache(Cache):
         if prefill_kernel not in PREFILL_KERNELS:
             raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
         sliding = sliding or [False] * num_layers
+        cross_layer = CrossLayer(num_layers) if pipeline.carries else None
         layers = [
-            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel)
+            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel, cross_layer)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)

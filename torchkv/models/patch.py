@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache
 
 from torchkv.models import arch
 from torchkv.models.attention import ATTENTION_NAME, PREFILL_KERNELS, register
+from torchkv.models.calibrate import fingerprint
 from torchkv.models.cache import TorchKVCache
 from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
 
@@ -55,6 +56,7 @@ def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
         pipeline.bits_per_value(config.num_key_value_heads, head_dim)
     except ValueError as err:
         raise ValueError(f"pipeline '{pipeline.name}' cannot encode this model's keys (head_dim {head_dim}): {err}") from err
+    pipeline.check_fitted(config.num_hidden_layers, fingerprint(model))
     window = getattr(config, "sliding_window", None)
     if any(arch.sliding_layers(model)) and window is not None and window <= pipeline.residual + pipeline.chunk:
         fix = (
@@ -78,6 +80,8 @@ def new_cache(
     state = _PATCHES.get(model)
     pipe = state.pipeline if pipeline is None and state is not None else resolve_pipeline(pipeline)
     config = model.config.get_text_config(decoder=True)
+    if state is None or pipe is not state.pipeline:
+        pipe.check_fitted(config.num_hidden_layers, fingerprint(model))
     rope = None
     if {"cos", "sin"} & pipe.requires:
 

@@ -1,12 +1,14 @@
 """Pure tensor functions, compile-clean: no `.item()`, no branches on tensor values."""
 
 from torchkv.ops.hadamard import hadamard, hadamard_block
-from torchkv.ops.linalg import masked_pca, ridge, ridge_from_moments
+from torchkv.ops.higgs import GRIDS, higgs_dequantize, higgs_quantize, lloyd_grid, load_grid, nearest
+from torchkv.ops.linalg import masked_pca, ridge, ridge_from_moments, ridge_streamed
 from torchkv.ops.pack import PACK_BITS, PLANAR_BITS, pack_bits, packed_size, unpack_bits, unpack_planes
 from torchkv.ops.quantize import SUPPORTED_BITS, dequantize, quantize
 from torchkv.ops.rope import apply_rope
 
 __all__ = [
+    "GRIDS",
     "PACK_BITS",
     "PLANAR_BITS",
     "SUPPORTED_BITS",
@@ -14,12 +16,18 @@ __all__ = [
     "dequantize",
     "hadamard",
     "hadamard_block",
+    "higgs_dequantize",
+    "higgs_quantize",
+    "lloyd_grid",
+    "load_grid",
     "masked_pca",
+    "nearest",
     "pack_bits",
     "packed_size",
     "quantize",
     "ridge",
     "ridge_from_moments",
+    "ridge_streamed",
     "unpack_bits",
     "unpack_planes",
 ]

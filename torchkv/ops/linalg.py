@@ -1,5 +1,7 @@
 """Small linear-algebra helpers: centred thin SVD (PCA) with masked rows, ridge regression."""
 
+from collections.abc import Iterable
+
 import torch
 
 
@@ -75,3 +77,28 @@ def ridge_from_moments(
     if bias:
         return solution[:-1].float(), solution[-1].float()
     return solution.float(), None
+
+
+def ridge_streamed(
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]], alpha: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge regression with intercept over row batches, only the moments held (AQUA-KV §3.2 calibration).
+
+    The penalty is relative, `λ = alpha · mean(diag(Σ z̃z̃ᵀ))` with `z̃ = [z, 1]` (the intercept unpenalised),
+    so it does not depend on the scale of the inputs.
+
+    Args:
+        batches: `(z [N, Din], y [N, Dout])` pairs, any number of rows each.
+        alpha: relative damping ≥ 0 (0: ordinary least squares).
+
+    Returns:
+        weight: [Din, Dout] float32, bias: [Dout] float32, so that `ŷ = z @ weight + bias`.
+    """
+    xtx = xty = None
+    for z, y in batches:
+        zt = torch.cat([z.double(), torch.ones(z.shape[0], 1, dtype=torch.float64, device=z.device)], 1)
+        xtx = zt.T @ zt if xtx is None else xtx + zt.T @ zt
+        xty = zt.T @ y.double() if xty is None else xty + zt.T @ y.double()
+    if xtx is None:
+        raise ValueError("ridge_streamed got no rows")
+    return ridge_from_moments(xtx, xty, alpha * float(xtx.diagonal().mean()), bias=True)

@@ -1,16 +1,27 @@
-"""Quantize transforms: uniform affine (per-token / per-channel groups) and plain dtype casts."""
+"""Quantize transforms: uniform affine (per-token / per-channel groups), HIGGS vector quantization and plain
+dtype casts."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from torchkv.ops import SUPPORTED_BITS, dequantize, quantize
+from torchkv.ops import (
+    GRIDS,
+    SUPPORTED_BITS,
+    dequantize,
+    hadamard_block,
+    higgs_dequantize,
+    higgs_quantize,
+    load_grid,
+    quantize,
+)
 from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, Transform, TransformConfig
 
 AXES = ("token", "channel")
+SPANS = ("head", "token")
 META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CAST_DTYPES = {
     "float32": torch.float32,
@@ -104,6 +115,77 @@ class UniformQuantize(Transform):
         cfg = self.config
         planes = code_planes(packed, cfg.bits)
         return affine_weighted_sum(p, planes, state["scale"], state.get("zero"), cfg.bits, cfg.axis, ctx.dim)
+
+
+#: (bits per value, grid dimension) of the shipped HIGGS grids with whole bits: points = 2^(bits·dim)
+HIGGS_SHAPES = tuple(sorted((b, d) for d, n in GRIDS for b in range(1, 9) if n == 1 << (b * d)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiggsConfig(TransformConfig):
+    """bits: bits per value; dim: grid dimension d (a grid of 2^(bits·d) points); span: "head" (one scale
+    per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype: scale storage."""
+
+    bits: int = 2
+    dim: int = 2
+    span: str = "head"
+    scale_dtype: str = "float16"
+
+    def __post_init__(self):
+        if (self.bits, self.dim) not in HIGGS_SHAPES:
+            allowed = ", ".join(f"(bits={b}, dim={d})" for b, d in HIGGS_SHAPES)
+            raise ValueError(f"quantize.higgs bits={self.bits}, dim={self.dim} has no shipped grid; allowed: {allowed}")
+        if self.span not in SPANS:
+            raise ValueError(f"quantize.higgs span={self.span!r} is not supported; allowed: {SPANS}")
+        if self.scale_dtype not in META_DTYPES:
+            raise ValueError(f"quantize.higgs scale_dtype={self.scale_dtype!r}; allowed: {sorted(META_DTYPES)}")
+
+
+@register_transform("quantize", "higgs")
+class HiggsQuantize(Transform):
+    """HIGGS: Hadamard rotation, L2 scale per row, nearest point of a Gaussian-MSE grid (spec aquakv.md §4.2).
+
+    encode: `x: [B, H, T, F]` -> codes `[B, H, T, F/d]` uint8, state scale `[B, H, T, 1]` (span="head") or
+    `[B, 1, T, 1]` (span="token": the H·F features of a token form one row, Hadamard blocks stay within a
+    head). Data-free: no calibration; relative MSE ≈ the grid's Gaussian MSE for non-adversarial rows.
+    """
+
+    Config = HiggsConfig
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        cfg = self.config
+        self.grid = load_grid(2 ** (cfg.bits * cfg.dim), cfg.dim)  # [n, d] float32
+
+    @property
+    def code_bits(self) -> int:
+        return self.config.bits * self.config.dim
+
+    def out_dim(self, dim: int) -> int:
+        if dim % self.config.dim:
+            raise ValueError(f"quantize.higgs dim={self.config.dim} must divide the feature size {dim}")
+        return dim // self.config.dim
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.config
+        h, f = x.shape[1], x.shape[-1]
+        self.out_dim(f)  # d must divide F
+        block, dtype = hadamard_block(f), META_DTYPES[cfg.scale_dtype]
+        if cfg.span == "head":
+            codes, scale = higgs_quantize(x, self.grid, block, scale_dtype=dtype)
+            return codes, {"scale": scale}
+        rows = x.transpose(1, 2).flatten(2)  # [B, T, H·F]
+        codes, scale = higgs_quantize(rows, self.grid, block, scale_dtype=dtype)
+        codes = codes.unflatten(-1, (h, f // cfg.dim)).transpose(1, 2)  # [B, T, H·F/d] -> [B, H, T, F/d]
+        return codes, {"scale": scale[:, None]}  # [B, 1, T, 1]
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        block = hadamard_block(ctx.dim)
+        if self.config.span == "head":
+            return higgs_dequantize(y, state["scale"], self.grid, block)
+        h = y.shape[1]
+        rows = higgs_dequantize(y.transpose(1, 2).flatten(2), state["scale"][:, 0], self.grid, block)  # [B, T, H·F]
+        return rows.unflatten(-1, (h, ctx.dim)).transpose(1, 2)  # [B, H, T, F]
 
 
 @dataclass(frozen=True, kw_only=True)

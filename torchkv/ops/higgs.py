@@ -1,0 +1,192 @@
+"""HIGGS vector quantization: Hadamard rotation, per-row L2 scale, nearest point of a Gaussian-MSE grid.
+
+A row `x ∈ R^F` becomes `y = √F · H(x) / ‖x‖` (H: orthonormal block Walsh–Hadamard transform), whose
+coordinates are close to N(0, 1); `y` is cut into F/d consecutive d-vectors and each is replaced by the
+index of its nearest grid point. The grids are fixed points of Lloyd's algorithm for N(0, I_d), so the
+method needs no data (HIGGS, arXiv 2411.17525; AQUA-KV §2 and App. H; spec aquakv.md §4.2).
+
+The shipped grids (`GRIDS`, in `torchkv/data/higgs_grids.safetensors`) come from `lloyd_grid` with the
+settings `GRID_SAMPLES`, `GRID_ITERS`, `GRID_SEED`. Regenerate the file (same seed, byte-identical
+tensors on the same machine and torch build) with:
+
+    OMP_NUM_THREADS=1 python -m torchkv.ops.higgs [output path]
+"""
+
+import functools
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from torchkv.ops.hadamard import hadamard
+
+#: (dim, points) of the shipped grids: d=2 with 16/64/256 points (2/3/4 bits per value), d=4 with 256 (2 bits)
+GRIDS = ((2, 16), (2, 64), (2, 256), (4, 256))
+GRID_SAMPLES = 1 << 19
+GRID_ITERS = 200
+GRID_SEED = 0
+GRID_FILE = Path(__file__).resolve().parent.parent / "data" / "higgs_grids.safetensors"
+#: over-relaxation of the first half of the Lloyd iterations: speeds up its slow (near-neutral) modes
+_RELAX = 1.5
+_ASSIGN_ROWS = 4096
+
+
+def grid_key(points: int, dim: int) -> str:
+    """Name of a grid in the data file, e.g. "d2_n16"."""
+    return f"d{dim}_n{points}"
+
+
+def nearest(u: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest grid point: `argmax_j (2 u·c_j − ‖c_j‖²)` = `argmin_j ‖u − c_j‖²`.
+
+    Args:
+        u: [..., d] float.
+        grid: [n, d] float.
+
+    Returns:
+        [...] long (ties resolve to the lowest index). Holds an [M, n] float32 score matrix, M = u.numel()/d.
+    """
+    g = grid.to(device=u.device, dtype=torch.float32)
+    flat = u.reshape(-1, u.shape[-1]).float()  # [M, d]
+    scores = torch.addmm(-g.square().sum(-1), flat, 2 * g.T)  # [M, n]
+    return scores.argmax(-1).reshape(u.shape[:-1])
+
+
+def _sorted(grid: torch.Tensor) -> torch.Tensor:
+    """Rows in lexicographic order of their coordinates (first coordinate most significant)."""
+    order = torch.arange(grid.shape[0])
+    for k in reversed(range(grid.shape[1])):
+        order = order[grid[order, k].argsort(stable=True)]
+    return grid[order]
+
+
+def lloyd_grid(points: int, dim: int, *, samples: int, iters: int, seed: int) -> torch.Tensor:
+    """An MSE-optimal grid for N(0, I_dim) by Lloyd iterations on fresh seeded Gaussian batches.
+
+    Starts from `points` draws of N(0, (dim+2)/dim · I), the high-resolution optimal point density
+    p^{d/(d+2)}. Each iteration draws `samples` points, assigns them to their nearest grid point and
+    moves every point toward its cell's centroid `m`: `c ← c + γ(m − c)`, with γ = 1.5 (over-relaxed
+    Lloyd) in the first half and γ = 1/k at the k-th step of the second half (a running average of the
+    centroid estimates, which damps the sampling noise). A point whose cell is empty stays put.
+    Deterministic for a given seed (CPU, float64 accumulation).
+
+    Returns:
+        [points, dim] float32, rows in lexicographic order.
+    """
+    if points < 1 or dim < 1 or samples < 1 or iters < 1:
+        raise ValueError(f"lloyd_grid needs positive sizes, got {points=}, {dim=}, {samples=}, {iters=}")
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.randn(points, dim, generator=gen, dtype=torch.float64) * math.sqrt((dim + 2) / dim)
+    half = iters // 2
+    for t in range(iters):
+        x = torch.randn(samples, dim, generator=gen)  # [S, d]
+        g32 = grid.float()
+        codes = torch.cat([nearest(part, g32) for part in x.split(_ASSIGN_ROWS)])  # [S]
+        count = torch.bincount(codes, minlength=points).double()[:, None]  # [n, 1]
+        total = torch.zeros(points, dim, dtype=torch.float64).index_add_(0, codes, x.double())
+        centroid = torch.where(count > 0, total / count.clamp_min(1), grid)
+        step = _RELAX if t < half else 1.0 / (t - half + 1)
+        grid = grid + step * (centroid - grid)
+    return _sorted(grid.float())
+
+
+@functools.cache
+def _shipped() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(GRID_FILE)
+
+
+def load_grid(points: int, dim: int) -> torch.Tensor:
+    """The shipped grid with `points` points in `dim` dimensions: [points, dim] float32 (CPU, shared:
+    do not modify it in place)."""
+    grids = _shipped()
+    key = grid_key(points, dim)
+    if key not in grids:
+        shipped = ", ".join(f"(dim={d}, points={n})" for d, n in GRIDS)
+        raise ValueError(
+            f"no HIGGS grid with dim={dim}, points={points}; shipped: {shipped} "
+            "(add one to GRIDS and run `python -m torchkv.ops.higgs`)"
+        )
+    return grids[key]
+
+
+def _codes_dtype(points: int) -> torch.dtype:
+    if points <= 256:
+        return torch.uint8
+    return torch.int16 if points <= 1 << 15 else torch.int32
+
+
+def higgs_quantize(
+    x: torch.Tensor, grid: torch.Tensor, block: int | None = None, *, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HIGGS codes of each row: nearest grid points of `y = √F · H(x)/s`, `s = ‖x‖` (spec §4.2).
+
+    The scale is rounded to `scale_dtype` (clamped to its largest finite value) before `y` is formed, so
+    `higgs_dequantize` of the stored scale inverts exactly this encoding. A zero row gets scale 0 and
+    decodes to exactly 0.
+
+    Args:
+        x: [..., F] float, F a multiple of the grid dimension d.
+        grid: [n, d] float.
+        block: Hadamard block size, a power of two dividing F (default: the largest one).
+        scale_dtype: dtype of the returned scale.
+
+    Returns:
+        codes: [..., F/d] uint8 (int16 when n > 256).
+        scale: [..., 1] scale_dtype, ‖x‖ per row.
+    """
+    f, (n, d) = x.shape[-1], grid.shape
+    if f % d:
+        raise ValueError(f"higgs_quantize: the grid dimension {d} must divide the row size {f}")
+    x = x.float()
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [..., 1]
+    scale = norm.clamp(max=torch.finfo(scale_dtype).max).to(scale_dtype)
+    s = scale.float()
+    inv = torch.where(s > 0, math.sqrt(f) / torch.where(s > 0, s, 1.0), 0.0)
+    y = hadamard(x, block) * inv  # [..., F], coordinates ≈ N(0, 1)
+    codes = nearest(y.unflatten(-1, (f // d, d)), grid)  # [..., F/d]
+    return codes.to(_codes_dtype(n)), scale
+
+
+def higgs_dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, grid: torch.Tensor, block: int | None = None
+) -> torch.Tensor:
+    """Inverse of `higgs_quantize`: `x̂ = H(ĉ) · s/√F` with ĉ the concatenated grid points.
+
+    Args:
+        codes: [..., F/d] integer.
+        scale: [..., 1] float.
+        grid: [n, d] float.
+        block: the Hadamard block size used to quantize.
+
+    Returns:
+        [..., F] float32.
+    """
+    g = grid.to(device=codes.device, dtype=torch.float32)
+    y = g[codes.long()].flatten(-2)  # [..., F/d, d] -> [..., F]
+    return hadamard(y * (scale.float() / math.sqrt(y.shape[-1])), block)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Regenerate the shipped grid file (or write it to the path given as the only argument)."""
+    from safetensors.torch import save_file
+
+    args = sys.argv[1:] if argv is None else argv
+    out = Path(args[0]) if args else GRID_FILE
+    grids = {}
+    for dim, points in GRIDS:
+        start = time.perf_counter()
+        grids[grid_key(points, dim)] = lloyd_grid(points, dim, samples=GRID_SAMPLES, iters=GRID_ITERS, seed=GRID_SEED)
+        print(f"dim={dim} points={points}: {time.perf_counter() - start:.1f} s", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one metadata entry: safetensors writes several in no fixed order, and the file must be byte-identical
+    settings = f"lloyd_grid samples={GRID_SAMPLES} iters={GRID_ITERS} seed={GRID_SEED} relax={_RELAX}"
+    save_file(grids, out, metadata={"generator": settings})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
