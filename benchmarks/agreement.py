@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=1000)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--bytes-at", type=int, default=2048)
-    parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets()))
+    parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets() if not p["calibrate"]),
+                        help="presets or calibrated pipeline folders")
     parser.add_argument("--out", default="benchmarks/results/agreement.json")
     args = parser.parse_args(argv)
     model, tokenizer = torchkv.load_model()

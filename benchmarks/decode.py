@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", default="1024,4096,8192")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets()))
+    parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets() if not p["calibrate"]))
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
     parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")

@@ -15,6 +15,7 @@ import argparse
 import torchkv
 from torchkv.eval.data import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt
+from torchkv.eval.rows import method
 from torchkv.eval.runner import write_benchmark
 from torchkv.models.capture import capture_qkv
 
@@ -31,7 +32,7 @@ def measure(pipe, model, layers, prompt: int) -> dict:
         logit += held_out_logit_error(q, k, k_hat)
         stored += sum(t.numel() * t.element_size() for t in state.values())
         values += 2 * k.numel()
-    bits = pipe.bits_per_value(layers[0][1].shape[1], layers[0][1].shape[-1])
+    bits = pipe.bits_per_value(layers[0][1].shape[1], layers[0][1].shape[-1], layers=len(layers))
     return {
         "bits_per_value": bits.mean,
         "key_rel_error": (err_k / norm_k) ** 0.5,
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1024, help="passage length")
     parser.add_argument("--prompt", type=int, default=512, help="tokens encoded (a multiple of every chunk)")
-    parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets()))
+    parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets() if not p["calibrate"]),
+                        help="presets (with overrides after colons) or calibrated pipeline folders")
     parser.add_argument("--out", default="benchmarks/results/reconstruction.json")
     args = parser.parse_args(argv)
     model, tokenizer = torchkv.load_model()
@@ -54,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     print("| preset | bits/value | K rel. error | V rel. error | bytes vs fp16 | held-out mean abs(q·δ) |")
     print("|---|---|---|---|---|---|")
     for name in args.presets.split(","):
-        row = {"preset": name, **measure(torchkv.KVPipeline.from_preset(name, compile=False), model, layers,
-                                         args.prompt)}
+        pipe = method(name).pipeline
+        pipe.compile = False
+        row = {"preset": name, **measure(pipe, model, layers, args.prompt)}
         rows.append(row)
         print(f"| {name} | {row['bits_per_value']:.2f} | {row['key_rel_error']:.4f} | {row['value_rel_error']:.4f} "
               f"| {row['bytes_vs_fp16']:.3f} | {row['held_out_logit_error']:.4f} |", flush=True)

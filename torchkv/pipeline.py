@@ -581,6 +581,11 @@ class KVPipeline:
                 out.update(_prefixed(t.params, f"{prefix}{i}."))
         return out
 
+    @property
+    def needs_fit(self) -> bool:
+        """Some transform must be calibrated (`fit`) before the pipeline is used."""
+        return any(t.needs_fit for t in self.keys.transforms + self.values.transforms)
+
     def check_fitted(self, num_layers: int, fingerprint: dict[str, Any]) -> None:
         """Raise a clear error unless every transform that needs calibration is fitted, for this model.
 
@@ -679,7 +684,8 @@ def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def presets() -> list[dict[str, Any]]:
-    """Every registered preset: name, one-line description, nominal bits per value, options."""
+    """Every registered preset: name, one-line description, nominal bits per value, options, and whether it
+    must be calibrated (`KVPipeline.fit`, `torchkv calibrate`) before use."""
     import torchkv.methods  # noqa: F401  (fills the preset registry)
 
     return [
@@ -688,6 +694,7 @@ def presets() -> list[dict[str, Any]]:
             "description": p.description,
             "nominal_bits": p.nominal_bits,
             "options": p.options(),
+            "calibrate": p.build().needs_fit,
         }
         for p in map(registry.preset, registry.preset_names())
     ]

@@ -195,6 +195,7 @@ def test_presets_need_calibration_for_this_model_and_say_how(smollm2):
     pipe.fitted_for = torchkv.models.calibrate.fingerprint(model)
     with pytest.raises(ValueError, match="no fitted parameters for layers"):
         torchkv.patch(model, pipe)
+    assert [p["name"] for p in torchkv.presets() if p["calibrate"]] == ["aquakv-2bit", "aquakv-2bit-keys", "aquakv-3bit"]
     torchkv.patch(model, "aquakv-2bit-nopred")  # nothing to fit
     torchkv.unpatch(model)
     with pytest.raises(ValueError, match="nothing to calibrate"):
@@ -210,7 +211,9 @@ def test_calibration_on_smollm2_saves_loads_and_beats_no_predictor(smollm2, wiki
     through the compressed cache beats HIGGS without predictors."""
     from torchkv.eval.data import documents, split_articles
     from torchkv.eval.perplexity import perplexity
+    from torchkv.eval.reconstruction import key_rel_error
     from torchkv.eval.rows import Method
+    from torchkv.models.capture import capture_qkv
 
     model, tokenizer = smollm2
     pipe = KVPipeline.from_preset("aquakv-2bit", compile=False)
@@ -231,6 +234,10 @@ def test_calibration_on_smollm2_saves_loads_and_beats_no_predictor(smollm2, wiki
     ppl = {name: perplexity(model, docs, Method(name, pipeline=p), progress=False) for name, p in (
         ("aquakv", loaded), ("nopred", KVPipeline.from_preset("aquakv-2bit-nopred", compile=False)))}
     assert ppl["aquakv"] < ppl["nopred"], ppl
+    # the reconstruction benchmark chains the layers' reconstructions the same way
+    _, captured = capture_qkv(model, docs[:, :256])
+    nopred = KVPipeline.from_preset("aquakv-2bit-nopred", compile=False)
+    assert key_rel_error(loaded, model, captured, 256) < 0.5 * key_rel_error(nopred, model, captured, 256)
     with torchkv.patched(model, str(tmp_path)):
         torchkv.models.pipeline_of(model).compile = False  # eager: compiling here is the pipeline tests' job
         cache = torchkv.new_cache(model)

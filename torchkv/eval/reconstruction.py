@@ -20,14 +20,19 @@ def reconstruct_prompt(
     Yields:
         per layer: the encoded state, and the reconstructed keys and values `[B, H, prompt, D]`.
     """
+    previous: dict[str, torch.Tensor] = {}  # cross-layer pipelines: the previous layer's reconstruction
     for i, (q, k, v) in enumerate(layers):
+        layer_pipe = pipe.for_layer(i)
         k, v = k[:, :, :prompt], v[:, :, :prompt]
         inputs = {"queries": q[:, :, :prompt]}
-        if "cos" in pipe.requires:
+        if "cos" in layer_pipe.requires:
             inputs["cos"], inputs["sin"] = rope_fn(model, i)(torch.arange(prompt, device=k.device)[None])
-        prepared = pipe.prepare(k, v, layer=i, inputs=inputs) if pipe.needs_prepare else {}
-        state = pipe.encode_chunk(k, v, layer=i, prepared=prepared, inputs=inputs)
-        k_hat, v_hat = pipe.decode_chunk(state, head_dim=k.shape[-1], layer=i, prepared=prepared, inputs=inputs)
+        prepared = layer_pipe.prepare(k, v, layer=i, inputs=inputs) if layer_pipe.needs_prepare else {}
+        state = layer_pipe.encode_chunk(k, v, layer=i, prepared=prepared, inputs={**inputs, **previous})
+        state = {n: t for n, t in state.items() if not n.startswith("carry.")}
+        k_hat, v_hat, *carry = layer_pipe.decode_chunk(state, head_dim=k.shape[-1], layer=i, prepared=prepared,
+                                                       inputs={**inputs, **previous})
+        previous = {f"previous.{side}": t for side, t in (carry[0] if carry else {}).items()}
         yield state, k_hat, v_hat
 
 
