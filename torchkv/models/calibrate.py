@@ -148,7 +148,7 @@ def fit_pipeline(
     if key_predictor is None and value_predictor is None:
         raise ValueError(f"pipeline '{pipe.name}' has nothing to calibrate (no predict transform)")
     start = time.perf_counter()
-    ids = _windows(tokenizer, texts, seq_len, max_tokens)
+    ids = _windows(tokenizer, texts, seq_len, max_tokens).to(next(model.parameters()).device)
     batch = min(batch, ids.shape[0])  # one batch size: every layer call replays the first batch's arguments
     batches = list(ids[: ids.shape[0] // batch * batch].split(batch))
     records: dict = {}
