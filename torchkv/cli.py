@@ -103,7 +103,6 @@ def _calibrate(args) -> None:
 
     import torchkv
     from torchkv.eval.data import split_articles
-
     from torchkv.eval.rows import method
 
     pipe = method(args.preset).pipeline  # a preset, with overrides after colons

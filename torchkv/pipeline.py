@@ -581,10 +581,13 @@ class KVPipeline:
                 out.update(_prefixed(t.params, f"{prefix}{i}."))
         return out
 
+    def _to_fit(self) -> list[Transform]:
+        return [t for t in self.keys.transforms + self.values.transforms if t.needs_fit]
+
     @property
     def needs_fit(self) -> bool:
         """Some transform must be calibrated (`fit`) before the pipeline is used."""
-        return any(t.needs_fit for t in self.keys.transforms + self.values.transforms)
+        return bool(self._to_fit())
 
     def check_fitted(self, num_layers: int, fingerprint: dict[str, Any]) -> None:
         """Raise a clear error unless every transform that needs calibration is fitted, for this model.
@@ -593,7 +596,7 @@ class KVPipeline:
             num_layers: decoder layers of the model the cache is for.
             fingerprint: `torchkv.models.calibrate.fingerprint(model)` of that model.
         """
-        unfitted = [t for t in self.keys.transforms + self.values.transforms if t.needs_fit]
+        unfitted = self._to_fit()
         if not unfitted:
             return
         how = (f"calibrate it first: pipe.fit(model, texts), or `torchkv calibrate --preset {self.name} --out DIR` "

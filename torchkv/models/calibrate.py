@@ -113,7 +113,8 @@ def _predictor(chain) -> Any:
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, T, F] -> [B·T, H·F]: one row per token, heads and features flattened."""
+    """[B, H, T, F] -> [B·T, H·F]: one row per token, heads and features flattened (as `predict.linear` reads
+    its sources), the layout of the regression targets."""
     return x.float().transpose(1, 2).flatten(2).flatten(0, 1)
 
 
@@ -201,7 +202,7 @@ def _fit_layer(pipe, layer, kv, carry, rope, key_predictor, value_predictor, alp
 
     row: dict[str, Any] = {"layer": layer, "keys": {}, "values": {}}
     if layer and key_predictor is not None:
-        pairs = [(_rows(p["k"]), _rows(k)) for k, p in zip(keys, carry)]
+        pairs = [(key_predictor.features({"previous": p["k"]}).flatten(0, 1), _rows(k)) for k, p in zip(keys, carry)]
         key_predictor.fit_layer(layer, *ridge_streamed(pairs, alpha))
         row["keys"] = _predictor_error(key_predictor, layer, pairs)
     if layer and value_predictor is not None:
