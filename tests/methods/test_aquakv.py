@@ -175,6 +175,20 @@ def test_stores_hand_their_reconstruction_to_the_next_layer_and_refuse_another_o
         KVStore(pipe, 1, rope)
 
 
+def test_layer_zero_follows_the_window_rules_of_a_modified_copy():
+    """A copy with other window rules (`Method.new_cache(simulated=True)` zeroes residual and sinks) gets its
+    own layer-0 pipeline; the original's is untouched."""
+    import copy
+
+    pipe = KVPipeline.from_preset("aquakv-2bit")
+    first = pipe.for_layer(0)
+    simulated = copy.copy(pipe)
+    simulated.residual, simulated.sinks = 0, 0
+    assert (simulated.for_layer(0).residual, simulated.for_layer(0).sinks) == (0, 0)
+    assert pipe.for_layer(0) is first and (first.residual, first.sinks) == (128, 4)
+    assert first.carries and first.keys.transforms[1].config.bits == 4 and not first.needs_fit
+
+
 def test_bits_accounting_reproduces_the_papers_formula():
     """§1.8 / §3.5 item 35: b = (b_first + (L−1)·b_main)/L with b = log₂(n)/d + 16/g, measured on stored tensors.
     Llama-3.2-3B's shape (8 KV heads × 128, L = 28, one scale per token: g = 1024) gives the paper's 2.09."""
