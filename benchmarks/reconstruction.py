@@ -23,7 +23,8 @@ from torchkv.models.capture import capture_qkv
 def measure(pipe, model, layers, prompt: int) -> dict:
     err_k = err_v = norm_k = norm_v = logit = 0.0
     stored = values = 0
-    for (q, k, v), (state, k_hat, v_hat) in zip(layers, reconstruct_prompt(pipe, model, layers, prompt)):
+    pipe = pipe.for_model(model)
+    for (q, k, v, *_), (state, k_hat, v_hat) in zip(layers, reconstruct_prompt(pipe, model, layers, prompt)):
         q, k, v = q[:, :, prompt:], k[:, :, :prompt], v[:, :, :prompt]
         err_k += float((k_hat - k).pow(2).sum())
         err_v += float((v_hat - v).pow(2).sum())
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results/reconstruction.json")
     args = parser.parse_args(argv)
     model, tokenizer = torchkv.load_model()
-    _, layers = capture_qkv(model, documents(tokenizer, args.tokens, 1))
+    _, layers = capture_qkv(model, documents(tokenizer, args.tokens, 1), layer_inputs=True)
     rows = []
     print("| preset | bits/value | K rel. error | V rel. error | bytes vs fp16 | held-out mean abs(q·δ) |")
     print("|---|---|---|---|---|---|")

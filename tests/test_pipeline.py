@@ -6,7 +6,7 @@ import torch
 import torchkv
 import torchkv.transforms as T
 from torchkv.pipeline import KVPipeline
-from torchkv.testing import rope_tables
+from torchkv.testing import rope_tables, tiny_model
 
 PRESETS = [p["name"] for p in torchkv.presets()]
 
@@ -25,9 +25,12 @@ def test_presets_listing():
 
 
 def _model_inputs(pipe, k, seed=1):
-    """What a preset's transforms read from the model: rotary embedding at positions 0.., prompt queries."""
+    """What a preset's transforms read from the model: rotary embedding at positions 0.., prompt queries,
+    the layer input."""
     b, h, t, d = k.shape
     inputs = {}
+    if "x" in pipe.requires:
+        inputs["x"] = torch.randn(b, t, TINY_GQA.config.hidden_size, generator=torch.Generator().manual_seed(seed))
     if "cos" in pipe.requires:
         inputs.update(rope_tables(b, t, d))
     if "queries" in pipe.requires:
@@ -35,9 +38,13 @@ def _model_inputs(pipe, k, seed=1):
     return inputs
 
 
-#: SVDq's schedules share one chain structure, as do AQUA-KV's presets: a few compile, the rest run eagerly
-#: (CI time)
-COMPILED_OF_FAMILY = {"svdq-": {"svdq-1.25bit", "svdq-2bit-v4", "svdq-1.25bit-sparse-v4"}, "aquakv-": {"aquakv-2bit"}}
+#: SVDq's schedules share one chain structure, as do AQUA-KV's and XQuant's presets: a few compile, the rest
+#: run eagerly (CI time)
+COMPILED_OF_FAMILY = {"svdq-": {"svdq-1.25bit", "svdq-2bit-v4", "svdq-1.25bit-sparse-v4"}, "aquakv-": {"aquakv-2bit"},
+                      "xquant-": {"xquant-2bit", "xquant-cl-2bit"}}
+#: presets that derive parameters from a model's weights (XQuant) are specialized to this GQA model of
+#: SmolLM2's KV shape (3 KV heads x 64, X 384 wide)
+TINY_GQA = tiny_model(heads=6, kv_heads=3, layers=4, hidden_size=384, head_dim=64)
 
 
 def _compiled(name: str) -> bool:
@@ -46,12 +53,13 @@ def _compiled(name: str) -> bool:
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_roundtrips_and_accounts_real_storage(name):
-    pipe = KVPipeline.from_preset(name, compile=_compiled(name))
+    pipe = KVPipeline.from_preset(name, compile=_compiled(name)).for_model(TINY_GQA)
     k, v = _kv(t=pipe.chunk * 2)
     inputs = _model_inputs(pipe, k)
-    prepared = pipe.prepare(k, v, inputs=inputs) if pipe.needs_prepare else {}
-    state = pipe.encode_chunk(k, v, prepared=prepared, inputs=inputs)
-    kh, vh, *carry = pipe.decode_chunk(state, head_dim=64, prepared=prepared, inputs=inputs)  # + carry: AQUA-KV
+    layer = pipe.n_first  # the first layer the main chains encode
+    prepared = pipe.prepare(k, v, layer=layer, inputs=inputs) if pipe.needs_prepare else {}
+    state = pipe.encode_chunk(k, v, layer=layer, prepared=prepared, inputs=inputs)
+    kh, vh, *carry = pipe.decode_chunk(state, head_dim=64, layer=layer, prepared=prepared, inputs=inputs)  # + carry
     assert kh.shape == k.shape and vh.shape == v.shape
     assert torch.isfinite(kh).all() and torch.isfinite(vh).all()
     bits = pipe.bits_per_value(kv_heads=3, head_dim=64)

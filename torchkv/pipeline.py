@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ DEFAULT_PRESET = "kivi-4bit"
 #: compiled code rounds through the stored metadata dtypes exactly as eager does
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
 #: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
-#: in the value chain, this layer's reconstructed keys ("keys"), both in projection space (see `Chain.carry_index`)
+#: in the value chain, this layer's reconstructed keys ("keys"), both in the chain's carried space (`Chain.carry_index`)
 CROSS_INPUTS = frozenset({"previous", "keys"})
 
 
@@ -81,10 +82,12 @@ class Chain:
             resolved.append(t)
         self.transforms = resolved
         self.fused = self._fusable()
-        #: index of the first transform after the position-dependent ones (those reading "cos"/"sin"): its
-        #: decoded output is the chain's reconstruction in the model's projection space (pre-RoPE keys),
-        #: what a cross-layer predictor of the next layer reads
-        self.carry_index = max([i + 1 for i, t in enumerate(resolved) if {"cos", "sin"} & t.requires] or [0])
+        #: index of the first transform after the position-dependent ones (those reading "cos"/"sin") and the
+        #: rematerializing ones: its decoded input is the chain's carried reconstruction, what a cross-layer
+        #: predictor of the next layer reads: pre-RoPE keys (AQUA-KV), or the cached layer input X̂ (XQuant)
+        self.carry_index = max(
+            [i + 1 for i, t in enumerate(resolved) if {"cos", "sin"} & t.requires or t.rematerializes] or [0]
+        )
 
     @property
     def token_multiple(self) -> int:
@@ -234,8 +237,9 @@ class KVPipeline:
             keeps every token after the prompt in full precision. None: a full window always flushes.
         compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
             attention then reads packed codes directly when both chains allow it (`fused`).
-        first_layer: `(keys, values)` transforms of layer 0 instead of `keys`/`values` (AQUA-KV stores the
-            first layer, which has no previous layer to predict from, at a higher width).
+        first_layers: `(keys, values)` transforms of each of the first layers instead of `keys`/`values`
+            (AQUA-KV stores layer 0, which has no previous layer to predict from, at a higher width;
+            XQuant-CL keeps its first layers at 4 bits, the last of them the cross-layer base).
     """
 
     def __init__(
@@ -248,10 +252,10 @@ class KVPipeline:
         chunk: int | None = None,
         window: windows.WindowPolicy | None = None,
         compile: bool = True,
-        first_layer: tuple[list[Transform], list[Transform]] | None = None,
+        first_layers: list[tuple[list[Transform], list[Transform]]] | None = None,
     ):
         self.keys, self.values = Chain(keys), Chain(values)
-        self.first_layer = None if first_layer is None else (Chain(first_layer[0]), Chain(first_layer[1]))
+        self.first_layers = None if not first_layers else [(Chain(k), Chain(v)) for k, v in first_layers]
         #: each layer hands its reconstruction in projection space to the next (cross-layer prediction)
         self.carries = self.keys.predicts or self.values.predicts
         #: what `fit` calibrated the predictors for (see `check_fitted`), or None
@@ -275,23 +279,32 @@ class KVPipeline:
         self.options: dict[str, Any] = {}
         self._compiled: dict[str, Any] = {}
         self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
-        self._first: KVPipeline | None = None  # built by `for_layer`
+        self._first: dict[tuple, KVPipeline] = {}  # built by `for_layer`, by layer and window rules
+        self._for_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # built by `for_model`
+
+    @property
+    def n_first(self) -> int:
+        """Leading layers encoded by their own chains (`first_layers`)."""
+        return len(self.first_layers or [])
+
+    def _rules(self) -> tuple:
+        return self.residual, self.sinks, self.chunk, self.window
 
     def for_layer(self, layer: int) -> "KVPipeline":
-        """The pipeline that encodes `layer`: this one, or for layer 0 the `first_layer` chains with the same
-        window rules (it carries its reconstruction to layer 1 when this pipeline predicts across layers)."""
-        if layer or self.first_layer is None:
+        """The pipeline that encodes `layer`: this one, or for the first layers their `first_layers` chains with
+        the same window rules (they carry their reconstruction on when this pipeline predicts across layers)."""
+        if layer >= self.n_first:
             return self
-        first = self._first
-        if first is None or (first.residual, first.sinks, first.chunk, first.window) != (
-            self.residual, self.sinks, self.chunk, self.window
-        ):  # window rules changed (e.g. a copy made for simulated quantization)
-            keys, values = self.first_layer
-            self._first = KVPipeline(keys.transforms, values.transforms, residual=self.residual, sinks=self.sinks,
-                                     chunk=self.chunk, window=self.window)
-            self._first.carries = self.carries
-        self._first.name, self._first.options, self._first.compile = self.name, self.options, self.compile
-        return self._first
+        key = (layer, *self._rules())  # a copy with other rules (simulated quantization) gets its own
+        first = self._first.get(key)
+        if first is None:
+            keys, values = self.first_layers[layer]
+            first = KVPipeline(keys.transforms, values.transforms, residual=self.residual, sinks=self.sinks,
+                               chunk=self.chunk, window=self.window)
+            first.carries = self.carries
+            self._first[key] = first
+        first.name, first.options, first.compile = self.name, self.options, self.compile
+        return first
 
     # -- presets -------------------------------------------------------------------------------------
 
@@ -515,13 +528,17 @@ class KVPipeline:
     # -- accounting ----------------------------------------------------------------------------------
 
     def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0, layers: int = 1) -> BitsPerValue:
-        """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors;
-        averaged over `layers` layers when layer 0 has its own chains (`first_layer`)."""
-        if layers > 1 and self.first_layer is not None:
-            first, rest = self.for_layer(0).bits_per_value(kv_heads, head_dim, seed), self.bits_per_value(
-                kv_heads, head_dim, seed)
-            return BitsPerValue((first.keys + (layers - 1) * rest.keys) / layers,
-                                (first.values + (layers - 1) * rest.values) / layers)
+        """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors:
+        of the main chains, or averaged over a model's `layers` layers when the first layers have their own
+        chains (`first_layers`)."""
+        if layers > 1 and self.first_layers is not None:
+            per_layer = [self.for_layer(i)._bits(kv_heads, head_dim, seed, i) for i in range(min(layers, self.n_first))]
+            if layers > self.n_first:
+                per_layer += [self._bits(kv_heads, head_dim, seed, self.n_first)] * (layers - self.n_first)
+            return BitsPerValue(sum(b.keys for b in per_layer) / layers, sum(b.values for b in per_layer) / layers)
+        return self._bits(kv_heads, head_dim, seed, self.n_first)
+
+    def _bits(self, kv_heads: int, head_dim: int, seed: int, layer: int) -> BitsPerValue:
         gen = torch.Generator().manual_seed(seed)
         k, v = (torch.randn(1, kv_heads, self.chunk, head_dim, generator=gen) for _ in range(2))
         inputs = {}
@@ -529,9 +546,15 @@ class KVPipeline:
             inputs = {"cos": torch.ones(1, self.chunk, head_dim), "sin": torch.zeros(1, self.chunk, head_dim)}
         if "queries" in self.requires:  # one query head per KV head
             inputs["queries"] = torch.randn(1, kv_heads, self.chunk, head_dim, generator=gen)
+        if "x" in self.requires:  # the layer input, as wide as the fitted weights read
+            widths = {t.input_width for c in (self.keys, self.values) for t in c.transforms if "x" in t.requires}
+            if None in widths:
+                raise ValueError(f"pipeline '{self.name}' reads the layer input through weights it has not been "
+                                 "fitted to; call pipe = pipe.for_model(model) first")
+            inputs["x"] = torch.randn(1, self.chunk, widths.pop(), generator=gen)
         with torch.no_grad():
             prepared = self.prepare(k, v, inputs=inputs) if self.needs_prepare else {}
-            state = self._encode(k, v, self.layer_params(0), prepared, None, inputs)  # eager: accounting only
+            state = self._encode(k, v, self.layer_params(layer), prepared, None, inputs)  # eager: accounting only
         n = k.numel()
         return BitsPerValue(8 * _nbytes(_sub(state, "k.")) / n, 8 * _nbytes(_sub(state, "v.")) / n)
 
@@ -550,10 +573,10 @@ class KVPipeline:
             "window": None if self.window is None else self.window.spec(),
             "keys": [t.spec() for t in self.keys.transforms],
             "values": [t.spec() for t in self.values.transforms],
-            "first_layer": None if self.first_layer is None else {
-                "keys": [t.spec() for t in self.first_layer[0].transforms],
-                "values": [t.spec() for t in self.first_layer[1].transforms],
-            },
+            "first_layers": None if self.first_layers is None else [
+                {"keys": [t.spec() for t in k.transforms], "values": [t.spec() for t in v.transforms]}
+                for k, v in self.first_layers
+            ],
             "fitted_for": self.fitted_for,
         }
 
@@ -568,18 +591,33 @@ class KVPipeline:
     def _chains(self) -> list[tuple[str, Chain]]:
         """Every chain with the prefix of its transforms' parameters in `params()`."""
         chains = [("k.", self.keys), ("v.", self.values)]
-        if self.first_layer is not None:
-            chains += [("first.k.", self.first_layer[0]), ("first.v.", self.first_layer[1])]
+        for i, (keys, values) in enumerate(self.first_layers or []):
+            chains += [(f"first{i}.k.", keys), (f"first{i}.v.", values)]
         return chains
 
     def params(self) -> dict[str, torch.Tensor]:
-        """Fitted parameters of every transform, keyed "k.{i}.{name}" / "v.{i}.{name}" ("first." before the
-        first layer's)."""
+        """Calibrated parameters of every transform (what `save_pretrained` writes), keyed "k.{i}.{name}" /
+        "v.{i}.{name}" ("first{n}." before those of the n-th first layer). Parameters a transform derives
+        from the model's weights are left out: `for_model` derives them again."""
         out = {}
         for prefix, chain in self._chains():
             for i, t in enumerate(chain.transforms):
-                out.update(_prefixed(t.params, f"{prefix}{i}."))
+                if not t.fits_weights:
+                    out.update(_prefixed(t.params, f"{prefix}{i}."))
         return out
+
+    def borrowed_params(self) -> frozenset[str]:
+        """Names in `layer_params` that are views of the model's own weights (no memory of their own)."""
+        return frozenset(f"{side}.{i}.{name}" for side, chain in (("k", self.keys), ("v", self.values))
+                         for i, t in enumerate(chain.transforms) for name in t.borrowed)
+
+    def for_model(self, model) -> "KVPipeline":
+        """This pipeline for `model`: options its preset derives from the model's shapes when left "auto"
+        (XQuant's MHA or GQA form), and the parameters transforms derive from the model's weights (XQuant's
+        projections), fitted. Cached per model and window rules; `patch` and `new_cache` call it."""
+        from torchkv.models.weights import specialize
+
+        return specialize(self, model)
 
     def _to_fit(self) -> list[Transform]:
         return [t for t in self.keys.transforms + self.values.transforms if t.needs_fit]
@@ -642,6 +680,14 @@ class KVPipeline:
         config = json.loads((path / CONFIG_FILE).read_text())
         if config.get("format") != "torchkv.KVPipeline" or config.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path / CONFIG_FILE} is not a torchkv pipeline config of version {FORMAT_VERSION}")
+        pipe = cls.from_config(config)
+        if (path / PARAMS_FILE).is_file():
+            pipe.load_params(load_file(str(path / PARAMS_FILE)))
+        return pipe
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "KVPipeline":
+        """A pipeline from its `config()` (parameters not included: see `load_params`)."""
         pipe = cls(
             [build(s) for s in config["keys"]],
             [build(s) for s in config["values"]],
@@ -649,17 +695,18 @@ class KVPipeline:
             sinks=config["sinks"],
             chunk=config["chunk"],
             window=None if config.get("window") is None else windows.from_spec(config["window"]),
-            first_layer=None if config.get("first_layer") is None else (
-                [build(s) for s in config["first_layer"]["keys"]], [build(s) for s in config["first_layer"]["values"]]
-            ),
+            first_layers=[([build(s) for s in f["keys"]], [build(s) for s in f["values"]])
+                          for f in config.get("first_layers") or  # "first_layer": one layer, as first saved
+                          ([config["first_layer"]] if config.get("first_layer") else [])],
         )
-        pipe.name, pipe.options, pipe.fitted_for = config["name"], config["options"], config.get("fitted_for")
-        if (path / PARAMS_FILE).is_file():
-            params = load_file(str(path / PARAMS_FILE))
-            for prefix, chain in pipe._chains():
-                for i, t in enumerate(chain.transforms):
-                    t.params = _sub(params, f"{prefix}{i}.")
+        pipe.name, pipe.options, pipe.fitted_for = config["name"], dict(config["options"]), config.get("fitted_for")
         return pipe
+
+    def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Set the transforms' parameters from `params()`'s output."""
+        for prefix, chain in self._chains():
+            for i, t in enumerate(chain.transforms):
+                t.params = _sub(params, f"{prefix}{i}.")
 
     def __repr__(self) -> str:
         def chain(c: Chain) -> str:
@@ -669,8 +716,8 @@ class KVPipeline:
             f"KVPipeline(name={self.name!r}, residual={self.residual}, sinks={self.sinks}, chunk={self.chunk}, "
             f"window={self.window},\n"
             f"  keys={chain(self.keys)},\n  values={chain(self.values)}"
-            + ("" if self.first_layer is None else
-               f",\n  first_layer=(keys={chain(self.first_layer[0])}, values={chain(self.first_layer[1])})")
+            + "".join(f",\n  first_layers[{i}]=(keys={chain(k)}, values={chain(v)})"
+                      for i, (k, v) in enumerate(self.first_layers or []))
             + ")"
         )
 

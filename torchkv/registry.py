@@ -54,19 +54,25 @@ def transforms() -> list[tuple[str, str]]:
 
 @dataclass(frozen=True)
 class Preset:
-    """A named pipeline recipe: `build(**overrides)` returns a `KVPipeline`."""
+    """A named pipeline recipe: `build(**overrides)` returns a `KVPipeline`.
+
+    `for_model(text_config) -> {option: value}` gives the options the recipe derives from a model's shapes,
+    used for those left "auto" (`KVPipeline.for_model`)."""
 
     name: str
     build: Callable[..., Any]
     description: str
     nominal_bits: float
+    for_model: Callable[[Any], dict[str, Any]] | None = None
 
     def options(self) -> dict[str, Any]:
         """Overridable parameters and their defaults."""
         return {p.name: p.default for p in inspect.signature(self.build).parameters.values()}
 
 
-def register_preset(name: str, *, description: str, nominal_bits: float) -> Callable:
+def register_preset(
+    name: str, *, description: str, nominal_bits: float, for_model: Callable[[Any], dict[str, Any]] | None = None
+) -> Callable:
     """Function decorator: register a preset whose keyword parameters are its overridable options.
 
     Usage:
@@ -77,7 +83,7 @@ def register_preset(name: str, *, description: str, nominal_bits: float) -> Call
     def decorate(fn: Callable) -> Callable:
         if name in _PRESETS:
             raise ValueError(f"preset '{name}' is already registered")
-        _PRESETS[name] = Preset(name, fn, description, nominal_bits)
+        _PRESETS[name] = Preset(name, fn, description, nominal_bits, for_model)
         return fn
 
     return decorate

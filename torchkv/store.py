@@ -25,7 +25,7 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
     return _owned(b) if a is None else torch.cat([a, b], dim)
 
 
-_HELD = ("sink_k", "sink_v", "res_k", "res_v", "res_valid", "positions")
+_HELD = ("sink_k", "sink_v", "res_k", "res_v", "res_x", "res_valid", "positions")
 
 
 class CrossLayer:
@@ -78,6 +78,7 @@ class KVStore:
             raise ValueError(f"pipeline '{pipeline.name}' predicts across layers; its stores need a shared CrossLayer")
         self.pipeline, self.layer, self.rope, self.cross_layer = pipeline, layer, rope, cross_layer
         self.tracks_positions = bool({"cos", "sin"} & pipeline.requires)
+        self.tracks_input = "x" in pipeline.requires  # XQuant encodes the window's tokens from their layer input
         if self.tracks_positions and rope is None:
             raise ValueError(f"pipeline '{pipeline.name}' stores pre-RoPE keys; the store needs the model's rope function")
         self.reset()
@@ -95,6 +96,7 @@ class KVStore:
         self.params: dict[str, torch.Tensor] | None = None  # the layer's fitted parameters, on its device
         self.res_k: torch.Tensor | None = None  # [B, H, residual + chunk, D] window buffer
         self.res_v: torch.Tensor | None = None
+        self.res_x: torch.Tensor | None = None  # [B, residual + chunk, d] layer inputs, when tracked
         self.res_valid: torch.Tensor | None = None  # [B, residual + chunk] bool
         self.dtype: torch.dtype | None = None  # of the tokens appended
         self.kv_heads = self.head_dim = 0
@@ -104,8 +106,9 @@ class KVStore:
     def n_sinks(self) -> int:
         return 0 if self.sink_k is None else self.sink_k.shape[2]
 
-    def _reserve(self, k: torch.Tensor, v: torch.Tensor, tokens: int) -> None:
-        """Make the window buffers hold `tokens` (they grow by doubling up to the window's largest size)."""
+    def _reserve(self, k: torch.Tensor, v: torch.Tensor, tokens: int, x: torch.Tensor | None = None) -> None:
+        """Make the window buffers hold `tokens` (they grow by doubling up to the window's largest size);
+        `x: [B, T, d]`, layer inputs, sizes the input buffer when the store tracks them."""
         have = 0 if self.res_k is None else self.res_k.shape[2]
         if tokens <= have:
             return
@@ -120,6 +123,12 @@ class KVStore:
         if have:
             res_k[:, :, :have], res_v[:, :, :have], res_valid[:, :have] = self.res_k, self.res_v, self.res_valid
         self.res_k, self.res_v, self.res_valid = res_k, res_v, res_valid
+        if self.tracks_input:
+            like = x if self.res_x is None else self.res_x
+            res_x = like.new_zeros(b, size, like.shape[-1])
+            if have:
+                res_x[:, :have] = self.res_x
+            self.res_x = res_x
 
     def _rope_inputs(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """cos/sin of the tokens held at indices [start, end), for transforms that require them."""
@@ -144,7 +153,8 @@ class KVStore:
             valid: [B, T] bool, False at padding (kept out of quantization statistics).
             positions: [B or 1, T] position ids (default: their index in the sequence).
             inputs: model-side tensors of these T tokens that `prepare` may read (e.g. "queries");
-                only the first call, the prompt, prepares.
+                only the first call, the prompt, prepares. Stores that `tracks_input` need "x" `[B, T, d]`,
+                the layer input, which they keep for window tokens until those are encoded.
             attention: [T, sinks + window + T] float32, the attention probability each new token's
                 query gave each full-precision token (sinks, window, new tokens), averaged over batch
                 rows and query heads; what the pipeline's window policy decides on.
@@ -153,11 +163,22 @@ class KVStore:
         b, _, t, _ = k.shape
         if self.params is None:
             self.params = {n: p.to(k.device) for n, p in pipe.layer_params(self.layer).items()}
+        x = None
+        if self.tracks_input:
+            x = (inputs or {}).get("x")
+            if x is None or x.shape[:2] != (b, t):
+                raise ValueError(
+                    f"pipeline '{pipe.name}' caches the layer input: append needs inputs['x'] [batch, tokens, hidden] "
+                    f"for its {t} tokens (a model patched by torchkv.patch supplies it), got "
+                    f"{None if x is None else tuple(x.shape)}"
+                )
         n = self.n_residual
         if n + t < self.window_limit and self.n_sinks == pipe.sinks and self.length and not self.tracks_positions:
             # a decode step: no chunk completes, the tokens only enter the window
-            self._reserve(k, v, n + t)
+            self._reserve(k, v, n + t, x)
             self.res_k[:, :, n : n + t], self.res_v[:, :, n : n + t] = k, v
+            if x is not None:
+                self.res_x[:, n : n + t] = x
             self.res_valid[:, n : n + t] = True if valid is None else valid
             self.n_residual += t
             self.length += t
@@ -180,11 +201,15 @@ class KVStore:
             self.sink_k = _cat(self.sink_k, k[:, :, :take], 2)
             self.sink_v = _cat(self.sink_v, v[:, :, :take], 2)
             k, v, valid = k[:, :, take:], v[:, :, take:], valid[:, take:]
+            x = None if x is None else x[:, take:]
 
+        buf_x = x
         if n:
             buf_k = torch.cat([self.res_k[:, :, :n], k], 2)  # [B, H, n + T', D]
             buf_v = torch.cat([self.res_v[:, :, :n], v], 2)
             buf_valid = torch.cat([self.res_valid[:, :n], valid], 1)
+            if x is not None:
+                buf_x = torch.cat([self.res_x[:, :n], x], 1)  # [B, n + T', d]
         else:
             buf_k, buf_v, buf_valid = k, v, valid
         total = buf_k.shape[2]
@@ -197,6 +222,8 @@ class KVStore:
         if flush:
             start = self.n_sinks + self.n_encoded
             inputs = self._rope_inputs(start, start + flush)
+            if buf_x is not None:
+                inputs["x"] = buf_x[:, :flush]
             if pipe.carries and self.layer:
                 inputs.update(self.cross_layer.take("encode", self.layer, flush))
             state = pipe.encode_chunk(
@@ -214,10 +241,12 @@ class KVStore:
             self.n_encoded += flush
         rest = total - flush
         if rest:
-            self._reserve(k, v, rest)
+            self._reserve(k, v, rest, buf_x)
             self.res_k[:, :, :rest] = buf_k[:, :, flush:]
             self.res_v[:, :, :rest] = buf_v[:, :, flush:]
             self.res_valid[:, :rest] = buf_valid[:, flush:]
+            if buf_x is not None:
+                self.res_x[:, :rest] = buf_x[:, flush:]
         self.n_residual = rest
 
     def _flush_dynamic(self, n: int, attention: list[list[float]]) -> int:
@@ -312,7 +341,8 @@ class KVStore:
         """Every tensor the store holds, by name."""
         held = {f"encoded.{n}": t for n, t in self.encoded.items()}
         held.update({f"prepared.{n}": t for n, t in self.prepared.items()})
-        held.update({f"params.{n}": t for n, t in (self.params or {}).items()})  # AQUA-KV's predictors
+        borrowed = self.pipeline.borrowed_params()  # views of the model's weights hold no memory of their own
+        held.update({f"params.{n}": t for n, t in (self.params or {}).items() if n not in borrowed})  # predictors, bases
         for name in _HELD:
             if getattr(self, name) is not None:
                 held[name] = getattr(self, name)
@@ -356,15 +386,20 @@ class KVStore:
             return
         tokens = min(tokens, self.length)
         keep = self.length - tokens
+        keep_encoded = min(max(keep - self.n_sinks, 0), self.n_encoded)
+        chunk = self.pipeline.chunk
+        whole = keep_encoded // chunk * chunk
+        if tokens > self.n_residual and keep_encoded > whole and self.tracks_input:
+            raise ValueError(
+                f"pipeline '{self.pipeline.name}' caches a function of the layer input, which cannot be rebuilt from "
+                f"reconstructed keys and values: crop only whole encoded chunks of {chunk} tokens (or within the window)"
+            )
         if self.positions is not None:
             self.positions = _owned(self.positions[:, :keep])
         if tokens <= self.n_residual:
             self.n_residual -= tokens
             self.length = keep
             return
-        keep_encoded = min(max(keep - self.n_sinks, 0), self.n_encoded)
-        chunk = self.pipeline.chunk
-        whole = keep_encoded // chunk * chunk
         partial_k = partial_v = None
         if keep_encoded > whole:
             k, v = self.decode_encoded()

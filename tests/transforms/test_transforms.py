@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import torchkv.transforms as T
 from torchkv import registry
 from torchkv.pipeline import COMPILE_OPTIONS, Chain
-from torchkv.transforms import Context
+from torchkv.transforms import Context, ProjectionWeights
 
 EXAMPLES = {
     ("rotate", "hadamard"): [{}, {"block": 16}],
@@ -32,6 +32,12 @@ EXAMPLES = {
         {"bits": 2, "dim": 4, "span": "token", "scale_dtype": "float32"},
     ],
     ("predict", "linear"): [{}, {"sources": ("keys", "previous"), "weight_dtype": "float32"}],
+    ("predict", "delta"): [{}],
+    ("project", "weights"): [
+        {"basis_dtype": "float32"},
+        {"side": "v", "basis": "input"},
+        {"outliers": 2, "basis_dtype": "float32"},
+    ],
 }
 CASES = [(kind, name, cfg) for (kind, name), cfgs in EXAMPLES.items() for cfg in cfgs]
 
@@ -41,13 +47,18 @@ def test_every_builtin_transform_is_exercised():
     assert builtin <= set(EXAMPLES), f"add examples for {builtin - set(EXAMPLES)}"
 
 
+#: width of the layer input X the weight-derived transforms read (their keys and values are 3 heads x 64)
+X_WIDTH = 96
+
+
 def _model_inputs(b, t, d, seed=0):
-    """Rotary cos/sin [B, T, D], and the other reconstructions a predictor reads [B, 3, T, D]."""
+    """Rotary cos/sin [B, T, D], the other reconstructions a predictor reads [B, 3, T, D], the layer input X."""
     g = torch.Generator().manual_seed(seed)
     angles = torch.rand(b, t, d // 2, generator=g) * 6.3
     angles = torch.cat([angles, angles], -1)
     previous, keys = torch.randn(2, b, 3, t, d, generator=g)
-    return {"cos": angles.cos(), "sin": angles.sin(), "previous": previous, "keys": keys}
+    x = torch.randn(b, t, X_WIDTH, generator=g)
+    return {"cos": angles.cos(), "sin": angles.sin(), "previous": previous, "keys": keys, "x": x}
 
 
 def _tokens(tensor, sl):
@@ -56,7 +67,13 @@ def _tokens(tensor, sl):
 
 
 def _params(transform, d) -> dict:
-    """Fitted parameters of a predictor: a random linear map of its sources' 3 heads."""
+    """Fitted parameters: a predictor's random linear map of its sources' 3 heads, or random projections from
+    X to 3 heads for transforms fitted from weights."""
+    if transform.fits_weights:
+        g = torch.Generator().manual_seed(1)
+        w_k, w_v = torch.randn(2, X_WIDTH, 3 * d, generator=g) / X_WIDTH**0.5
+        transform.fit_weights(0, ProjectionWeights(w_k, w_v, torch.randn(3 * d, generator=g), None))
+        return transform.layer_params(0)
     if transform.kind != "predict":
         return {}
     g = torch.Generator().manual_seed(1)
@@ -76,6 +93,17 @@ def _upstream(transform, batch: int) -> dict:
 def _prepared(transform, x) -> dict:
     """What `prepare` gives a transform whose encoding reads it (the prompt's SVD basis)."""
     return transform.prepare(x, Context(dim=x.shape[-1])) if "basis" in transform.prepares else {}
+
+
+def _consistent(transform, x, ctx):
+    """For a transform caching a function of X: the keys or values that X projects to, `[B, 3, T, D]`."""
+    if transform.name != "weights":
+        return x
+    up = ctx.params["up"].float()
+    out = ctx.inputs["x"] @ (ctx.params["down"].float() @ up if "down" in ctx.params else up)
+    if "bias" in ctx.params:
+        out = out + ctx.params["bias"]
+    return out.unflatten(-1, (3, -1)).transpose(1, 2)
 
 
 def _input(transform, shape, seed):
@@ -100,6 +128,8 @@ def _tolerance(transform, x, state):
         return x.abs() * torch.finfo(getattr(torch, transform.config.dtype)).eps + 1e-6
     if transform.name == "svd":  # an orthogonal change of basis in float32
         return 1e-5 * (1 + x.abs().amax())
+    if transform.name == "weights":  # float32 products; a float16 outlier channel rounds once
+        return (2e-3 if transform.config.outliers else 2e-5) * (1 + x.abs().amax())
     return torch.full_like(x, 1e-5, dtype=torch.float32)
 
 
@@ -112,6 +142,7 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     x = _input(t, shape, seed)
     inputs = _model_inputs(batch, shape[2], d, seed)
     ctx = Context(dim=d, params=_params(t, d), inputs=inputs, upstream=_upstream(t, batch), prepared=_prepared(t, x))
+    x = _consistent(t, x, ctx)
     y, state = t.encode(x, ctx)
     xhat = t.decode(y, state, ctx)
     assert xhat.shape == x.shape

@@ -15,16 +15,23 @@ def reconstruct_prompt(
 ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]]:
     """Encode and decode the first `prompt` tokens of every captured layer (`models.capture.capture_qkv`).
 
-    Each layer prepares on the prompt's own queries (and rotary embedding, for pre-RoPE presets).
+    Each layer prepares on the prompt's own queries (and rotary embedding, for pre-RoPE presets); pipelines
+    that read the layer input (XQuant) need layers captured with `layer_inputs=True`.
 
     Yields:
         per layer: the encoded state, and the reconstructed keys and values `[B, H, prompt, D]`.
     """
     previous: dict[str, torch.Tensor] = {}  # cross-layer pipelines: the previous layer's reconstruction
-    for i, (q, k, v) in enumerate(layers):
+    pipe = pipe.for_model(model)
+    for i, (q, k, v, *x) in enumerate(layers):
         layer_pipe = pipe.for_layer(i)
         k, v = k[:, :, :prompt], v[:, :, :prompt]
         inputs = {"queries": q[:, :, :prompt]}
+        if "x" in layer_pipe.requires:
+            if not x:
+                raise ValueError(f"pipeline '{pipe.name}' reads the layer input: capture with capture_qkv(..., "
+                                 "layer_inputs=True)")
+            inputs["x"] = x[0][:, :prompt]
         if "cos" in layer_pipe.requires:
             inputs["cos"], inputs["sin"] = rope_fn(model, i)(torch.arange(prompt, device=k.device)[None])
         prepared = layer_pipe.prepare(k, v, layer=i, inputs=inputs) if layer_pipe.needs_prepare else {}

@@ -53,8 +53,9 @@ def retrieval(model, case_list: list[Case], methods: list[Method], progress: boo
         row name -> {"accuracy", "logprob", "cases"}.
     """
     hits, logprob = {m.name: 0 for m in methods}, {m.name: 0.0 for m in methods}
+    layer_inputs = any(m.reads_layer_input(model) for m in methods)
     for case in tqdm(case_list, desc=f"retrieval {case_list[0].prompt.shape[1]}", disable=not progress, leave=False):
-        last, layers = capture_qkv(model, case.prompt)
+        last, layers = capture_qkv(model, case.prompt, layer_inputs)
         for method in methods:
             cache = method.filled_cache(model, layers)
             with method.active(model):

@@ -28,6 +28,10 @@ class Method:
     pipeline: KVPipeline | None = None
     nbits: int | None = None
 
+    def reads_layer_input(self, model) -> bool:
+        """The row's cache stores a function of each layer's input X (XQuant), which captures must record."""
+        return self.pipeline is not None and "x" in self.pipeline.for_model(model).requires
+
     @property
     def kind(self) -> str:
         if self.pipeline is not None:
@@ -53,11 +57,12 @@ class Method:
 
     def filled_cache(self, model, layers: list[tuple[torch.Tensor, ...]]) -> Cache:
         """A fresh cache holding a prompt captured by `models.capture.capture_qkv`: every layer stores its
-        `(queries, keys, values)` through the same calls a patched forward pass makes."""
+        `(queries, keys, values[, layer input])` through the same calls a patched forward pass makes."""
         cache = self.new_cache(model)
-        for i, (q, k, v) in enumerate(layers):
+        for i, (q, k, v, *x) in enumerate(layers):
             if isinstance(cache, TorchKVCache):
                 cache.layers[i].update(k, v)
+                cache.layers[i].layer_input = x[0] if x else None
                 cache.layers[i].commit(None, None, {"queries": q})
             else:
                 cache.update(k, v, i)

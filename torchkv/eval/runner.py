@@ -101,7 +101,7 @@ def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     out: dict = {"name": row.name, "kind": row.kind, "config": row.config()}
     if row.pipeline is not None:
-        out["bits_per_value"] = dataclasses.asdict(row.pipeline.bits_per_value(
+        out["bits_per_value"] = dataclasses.asdict(row.pipeline.for_model(model).bits_per_value(
             config.num_key_value_heads, head_dim, layers=config.num_hidden_layers))
     started = time.perf_counter()
     modes = ["streaming"] + (["simulated"] if settings.simulated and row.kind == "torchkv" else [])

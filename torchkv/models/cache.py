@@ -37,6 +37,9 @@ class TorchKVLayer(CacheLayerMixin):
         self.simulated = simulated
         self.prefill_kernel = prefill_kernel
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: [B, T, d] the attention block's input for the staged tokens, when the pipeline reads it
+        #: (set by the attention pre-hook `patch` installs)
+        self.layer_input: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -62,6 +65,9 @@ class TorchKVLayer(CacheLayerMixin):
         `attention` as `KVStore.append` takes it)."""
         k, v = self.pending
         self.pending = None
+        if self.layer_input is not None:
+            inputs = {**inputs, "x": self.layer_input}
+            self.layer_input = None
         self.store.append(k, v, valid=valid, positions=positions, inputs=inputs, attention=attention)
 
     def get_seq_length(self) -> int:
@@ -77,7 +83,7 @@ class TorchKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store.reset()
-        self.pending = None
+        self.pending = self.layer_input = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.reorder(beam_idx)

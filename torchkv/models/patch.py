@@ -2,7 +2,8 @@
 
 `patch` selects the 'torchkv' attention implementation and adds one forward pre-hook on the model
 that hands it a `TorchKVCache` whenever it would otherwise build a fresh `DynamicCache`
-(`forward(use_cache=True)` and `generate`). `unpatch` removes both.
+(`forward(use_cache=True)` and `generate`), and one on each attention module that stages its input X
+for the cache (XQuant caches a function of it). `unpatch` removes them.
 """
 
 import contextlib
@@ -27,7 +28,7 @@ from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
 class _Patch:
     pipeline: KVPipeline
     previous_attention: str
-    hook: RemovableHandle
+    hooks: list[RemovableHandle]
     prefill_kernel: str
 
 
@@ -53,7 +54,7 @@ def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     try:  # a dry run on one chunk surfaces shape errors now rather than mid-generation
-        pipeline.bits_per_value(config.num_key_value_heads, head_dim)
+        pipeline.bits_per_value(config.num_key_value_heads, head_dim, layers=config.num_hidden_layers)
     except ValueError as err:
         raise ValueError(f"pipeline '{pipeline.name}' cannot encode this model's keys (head_dim {head_dim}): {err}") from err
     pipeline.check_fitted(config.num_hidden_layers, fingerprint(model))
@@ -78,7 +79,7 @@ def new_cache(
 
     `simulated` stores new tokens before attending to them (see `TorchKVCache`)."""
     state = _PATCHES.get(model)
-    pipe = state.pipeline if pipeline is None and state is not None else resolve_pipeline(pipeline)
+    pipe = state.pipeline if pipeline is None and state is not None else resolve_pipeline(pipeline).for_model(model)
     config = model.config.get_text_config(decoder=True)
     if state is None or pipe is not state.pipeline:
         pipe.check_fitted(config.num_hidden_layers, fingerprint(model))
@@ -90,6 +91,13 @@ def new_cache(
 
     kernel = "auto" if state is None else state.prefill_kernel
     return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel)
+
+
+def _stage_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Attention pre-hook: give the layer's torchkv cache the attention block's input X (after its norm)."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, TorchKVCache):
+        cache.layers[module.layer_idx].layer_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
 def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict):
@@ -125,10 +133,10 @@ def patch(
     Returns:
         the same model object.
     """
-    arch.attention_modules(model)  # raises a clear error for unsupported models
+    attention = arch.attention_modules(model)  # raises a clear error for unsupported models
     if prefill_kernel not in PREFILL_KERNELS:
         raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
-    pipe = resolve_pipeline(pipeline)
+    pipe = resolve_pipeline(pipeline).for_model(model)
     _check_compatible(model, pipe)
     if model in _PATCHES:
         unpatch(model)
@@ -139,10 +147,10 @@ def patch(
         raise NotImplementedError(
             f"{type(model).__name__} does not let its attention implementation be set; torchkv cannot patch it"
         )
-    hook = model.register_forward_pre_hook(
+    hooks = [model.register_forward_pre_hook(
         lambda module, args, kwargs: _use_torchkv_cache(model, module, args, kwargs), with_kwargs=True
-    )
-    _PATCHES[model] = _Patch(pipe, previous, hook, prefill_kernel)
+    )] + [m.register_forward_pre_hook(_stage_layer_input, with_kwargs=True) for m in attention]
+    _PATCHES[model] = _Patch(pipe, previous, hooks, prefill_kernel)
     return model
 
 
@@ -151,7 +159,8 @@ def unpatch(model: nn.Module) -> nn.Module:
     if model not in _PATCHES:
         raise ValueError(f"{type(model).__name__} is not patched by torchkv")
     state = _PATCHES.pop(model)
-    state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
     model.set_attn_implementation(state.previous_attention)
     return model
 

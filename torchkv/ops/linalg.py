@@ -1,4 +1,4 @@
-"""Small linear-algebra helpers: centred thin SVD (PCA) with masked rows, ridge regression."""
+"""Small linear-algebra helpers: centred thin SVD (PCA) with masked rows, weight factors, ridge regression."""
 
 from collections.abc import Iterable
 
@@ -36,6 +36,19 @@ def masked_pca(
     singular = eigvals.index_select(-1, order).clamp_min(0).sqrt().float()
     basis = eigvecs.index_select(-1, order).float()
     return mean, basis, singular
+
+
+def weight_factors(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thin SVD of a weight `w = U·diag(S)·Bᵀ` split as `w = U·R` (XQuant §1.3), computed in float64.
+
+    Args:
+        w: [d, n].
+
+    Returns:
+        U: [d, r] orthonormal columns, by decreasing singular value (r = min(d, n)); R = diag(S)·Bᵀ: [r, n].
+    """
+    u, s, bt = torch.linalg.svd(w.double(), full_matrices=False)
+    return u, s[:, None] * bt
 
 
 def ridge(

@@ -7,7 +7,7 @@ from typing import Any
 
 from torchkv.registry import transform_class
 from torchkv.transforms import packers, predictors, quantizers, rotations  # noqa: F401  (registers the built-ins)
-from torchkv.transforms.base import Context, Transform, TransformConfig
+from torchkv.transforms.base import Context, ProjectionWeights, Transform, TransformConfig
 
 
 def rotate(name: str = "hadamard", **config: Any) -> Transform:
@@ -40,4 +40,4 @@ def build(spec: dict[str, Any]) -> Transform:
     return transform_class(spec["kind"], spec["name"])(**spec.get("config", {}))
 
 
-__all__ = ["Context", "Transform", "TransformConfig", "build", "pack", "predict", "project", "quantize", "rotate"]
+__all__ = ["Context", "ProjectionWeights", "Transform", "TransformConfig", "build", "pack", "predict", "project", "quantize", "rotate"]

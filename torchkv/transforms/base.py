@@ -36,6 +36,20 @@ class Context:
     upstream: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ProjectionWeights:
+    """One layer's key and value projections in the row-vector convention `K = X·k + k_bias` (before RoPE).
+
+    Attributes:
+        k, v: [d, H·D] (views of the model's weights, transposed). k_bias, v_bias: [H·D] or None.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransformConfig:
     """Base of every transform's frozen, keyword-only configuration."""
@@ -56,8 +70,18 @@ class Transform:
     #: tokens per chunk must be a multiple of this (e.g. a per-channel group along tokens).
     token_multiple: ClassVar[int] = 1
     #: names of `Context.inputs` this transform reads; the cache supplies them for the tokens at hand:
-    #: "cos"/"sin" ([B, T, R] rotary embedding), "queries" ([B, Hq, T, D], prompt only, at prepare).
+    #: "cos"/"sin" ([B, T, R] rotary embedding), "queries" ([B, Hq, T, D], prompt only, at prepare),
+    #: "x" ([B, T, d], the layer input: the attention block's normalized hidden states).
     requires: ClassVar[frozenset[str]] = frozenset()
+    #: parameters derived from the model's projection weights (`fit_weights`), not calibrated or saved
+    fits_weights: ClassVar[bool] = False
+    #: decode computes keys or values from what the chain caches, a function of the layer input (XQuant's
+    #: rematerialization): the chain's carried reconstruction is this transform's encoded output
+    rematerializes: ClassVar[bool] = False
+    #: width of the layer input "x" the transform reads (set by `fit_weights`), and names of its parameters
+    #: that are views of the model's own weights (not counted as cache memory)
+    input_width: int | None = None
+    borrowed: frozenset[str] = frozenset()
     #: names of the state `prepare` returns, and names this transform reads from `Context.upstream`
     #: (a chain checks at construction that an earlier transform prepares each of them).
     prepares: ClassVar[frozenset[str]] = frozenset()
@@ -78,6 +102,10 @@ class Transform:
         """The fitted parameters of one layer, keyed by name."""
         prefix = f"{layer}."
         return {k[len(prefix) :]: v for k, v in self.params.items() if k.startswith(prefix)}
+
+    def fit_weights(self, layer: int, weights: "ProjectionWeights") -> None:
+        """Derive this layer's parameters from the model's key/value projections (`fits_weights` transforms)."""
+        raise NotImplementedError(f"{self.kind}.{self.name} does not fit from weights")
 
     def out_dim(self, dim: int) -> int:
         """Size of the last axis of `encode`'s output for an input of size `dim`."""

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torchkv.ops import weight_factors
 from torchkv.registry import register_transform
-from torchkv.transforms.base import Context, Transform, TransformConfig
+from torchkv.transforms.base import Context, ProjectionWeights, Transform, TransformConfig
 from torchkv.transforms.quantizers import META_DTYPES
 
 #: what a prediction may read: the previous layer's reconstruction of this chain's tokens, and (value chain)
@@ -73,3 +74,56 @@ class LinearPredict(Transform):
         dtype = META_DTYPES[self.config.weight_dtype]
         self.params[f"{layer}.weight"] = weight.to(dtype).contiguous()
         self.params[f"{layer}.bias"] = bias.to(dtype).contiguous()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaConfig(TransformConfig):
+    """subspace: keep only the delta's coordinates in the span of the layer's `[W_k | W_v]` (XQuant-CL for GQA,
+    §1.5), an orthonormal basis fitted from the weights; basis_dtype: storage dtype of that basis."""
+
+    subspace: bool = False
+    basis_dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.basis_dtype not in META_DTYPES:
+            raise ValueError(f"predict.delta basis_dtype={self.basis_dtype!r}; allowed: {sorted(META_DTYPES)}")
+
+
+@register_transform("predict", "delta")
+class DeltaPredict(Transform):
+    """Error-feedback delta against the previous layer's reconstruction (XQuant-CL §1.4–1.5, the running
+    accumulator): encode `δ = x − x̂_{ℓ−1}`, decode `x̂_ℓ = x̂_{ℓ−1} + δ̂`, which the next layer reads as its
+    "previous". With `subspace`, `δ·U_kv` is kept (`[B, H, T, F]` -> `[B, H, T, 2·d_kv]`) and decode adds
+    `δ̂·U_kvᵀ`: keys and values `x̂_ℓ·W_kv` are exact for an exact `δ̂` although `x̂_ℓ` drifts from `x` (P8).
+    Without a previous reconstruction the prediction is 0. params per layer (subspace): "basis" `[F, 2·d_kv]`.
+    """
+
+    Config = DeltaConfig
+    requires = frozenset({"previous"})
+    fits_weights = True
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        self.width: int | None = None  # of the kept subspace, set by `fit_weights`
+
+    def out_dim(self, dim: int) -> int:
+        if not self.config.subspace:
+            return dim
+        if self.width is None:
+            raise ValueError("predict.delta(subspace=True) has no basis yet: specialize the pipeline with "
+                             "pipe.for_model(model)")
+        return self.width
+
+    def fit_weights(self, layer: int, weights: ProjectionWeights) -> None:
+        if self.config.subspace:
+            basis, _ = weight_factors(torch.cat([weights.k, weights.v], 1))  # [d, 2·d_kv] (thin)
+            self.params[f"{layer}.basis"] = basis.to(META_DTYPES[self.config.basis_dtype]).contiguous()
+            self.width = basis.shape[1]
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        delta = x.float() - ctx.inputs["previous"].float() if "previous" in ctx.inputs else x.float()
+        return (delta @ ctx.params["basis"].float() if self.config.subspace else delta), {}
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        delta = y.float() @ ctx.params["basis"].float().T if self.config.subspace else y.float()
+        return delta + ctx.inputs["previous"].float() if "previous" in ctx.inputs else delta

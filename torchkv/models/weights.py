@@ -1,0 +1,74 @@
+"""The model's key/value projection weights, and pipelines specialized to one model (`KVPipeline.for_model`).
+
+XQuant caches a function of the attention block's input X and rematerializes `K = X·W_k + b_k` and
+`V = X·W_v + b_v`; its transforms derive their bases from these weights (no calibration data).
+"""
+
+import torch
+from torch import nn
+
+from torchkv import registry
+from torchkv.models import arch
+from torchkv.pipeline import KVPipeline
+from torchkv.transforms import ProjectionWeights
+
+
+def projection_weights(model: nn.Module) -> list[ProjectionWeights]:
+    """Every layer's `K = X·k + k_bias`, `V = X·v + v_bias` before RoPE, as views of the model's weights.
+
+    Raises a clear error for attention that does more than project the normalized input (key norms)."""
+    config = model.config.get_text_config(decoder=True)
+    kv_width = config.num_key_value_heads * (getattr(config, "head_dim", None)
+                                             or config.hidden_size // config.num_attention_heads)
+    out = []
+    for module in arch.attention_modules(model):
+        if getattr(module, "k_norm", None) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} normalizes keys after their projection (k_norm), so K is not X·W_k: "
+                "methods that rematerialize keys from the layer input (XQuant) support llama, mistral, qwen2, "
+                "gemma2 and phi3 attention"
+            )
+        if hasattr(module, "qkv_proj"):  # phi3: one fused projection, queries first
+            weight = module.qkv_proj.weight
+            q_width = weight.shape[0] - 2 * kv_width
+            k, v = weight[q_width : q_width + kv_width], weight[q_width + kv_width :]
+            out.append(ProjectionWeights(k.T, v.T))
+            continue
+        k_proj, v_proj = module.k_proj, module.v_proj
+        out.append(ProjectionWeights(k_proj.weight.T, v_proj.weight.T, k_proj.bias, v_proj.bias))
+    return out
+
+
+def specialize(pipe: KVPipeline, model: nn.Module) -> KVPipeline:
+    """`pipe` for `model` (see `KVPipeline.for_model`): a new pipeline when an option is "auto" or a transform
+    fits from weights, cached in `pipe` per model and window rules; `pipe` itself otherwise."""
+    auto = sorted(k for k, v in pipe.options.items() if v == "auto")
+    fits = any(t.fits_weights for _, chain in pipe._chains() for t in chain.transforms)
+    if not auto and not fits:
+        return pipe
+    cached = pipe._for_model.setdefault(model, {})
+    key = (*pipe._rules(), pipe.compile)  # a copy with other rules (simulated quantization) gets its own
+    if key in cached:
+        return cached[key]
+    config = pipe.config()
+    if auto:
+        preset = registry.preset(pipe.name)
+        if preset.for_model is None:
+            raise ValueError(f"preset '{pipe.name}' derives no options from the model; set {auto} explicitly")
+        derived = preset.for_model(model.config.get_text_config(decoder=True))
+        options = {**pipe.options, **{k: derived[k] for k in auto}}
+        built = preset.build(**options).config()
+        config.update(options=options, keys=built["keys"], values=built["values"], first_layers=built["first_layers"])
+    out = KVPipeline.from_config(config)
+    out.compile = pipe.compile
+    out.load_params(pipe.params())
+    weights = projection_weights(model)
+    with torch.no_grad():
+        for layer, w in enumerate(weights):
+            layer_pipe = out.for_layer(layer)
+            for t in layer_pipe.keys.transforms + layer_pipe.values.transforms:
+                if t.fits_weights:
+                    t.fit_weights(layer, w)
+    cached[key] = out
+    out._for_model[model] = {key: out}
+    return out
