@@ -4,7 +4,8 @@ A held-out Wikipedia passage runs once through the unpatched model. Its first `-
 the prompt: each preset prepares on them (SQuat's subspace comes from their queries) and encodes them.
 Reported per preset, over all 30 layers: measured bits per value, relative error ‖x̂ - x‖/‖x‖ of keys
 and values, stored bytes against fp16, and the mean |q·(k̂ - k)| of the queries of the tokens *after*
-the prompt (decode-time queries no preset has seen) against the prompt's keys.
+the prompt (decode-time queries no preset has seen) against the prompt's keys; and each layer's key
+relative error (does it grow with depth? cross-layer methods).
 
     python benchmarks/reconstruction.py --out benchmarks/results/reconstruction.json
 """
@@ -23,9 +24,11 @@ from torchkv.models.capture import capture_qkv
 def measure(pipe, model, layers, prompt: int) -> dict:
     err_k = err_v = norm_k = norm_v = logit = 0.0
     stored = values = 0
+    by_layer = []
     pipe = pipe.for_model(model)
     for (q, k, v, *_), (state, k_hat, v_hat) in zip(layers, reconstruct_prompt(pipe, model, layers, prompt)):
         q, k, v = q[:, :, prompt:], k[:, :, :prompt], v[:, :, :prompt]
+        by_layer.append(float((k_hat - k).norm() / k.norm()))
         err_k += float((k_hat - k).pow(2).sum())
         err_v += float((v_hat - v).pow(2).sum())
         norm_k += float(k.pow(2).sum())
@@ -40,6 +43,7 @@ def measure(pipe, model, layers, prompt: int) -> dict:
         "value_rel_error": (err_v / norm_v) ** 0.5,
         "bytes_vs_fp16": stored / (2 * values),
         "held_out_logit_error": logit / len(layers),
+        "key_rel_error_by_layer": by_layer,
     }
 
 
