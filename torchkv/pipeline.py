@@ -477,6 +477,9 @@ class KVPipeline:
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
+        if "x" in self.requires and "x" not in (inputs or {}):
+            raise ValueError(f"pipeline '{self.name}' caches a function of the layer input: pass inputs['x'], "
+                             "[batch, tokens, hidden], the attention block's input for these tokens")
         if self.needs_prepare and not prepared:
             raise ValueError(
                 f"pipeline '{self.name}' encodes with per-sequence state from the prompt: call "

@@ -296,6 +296,9 @@ def test_clear_errors():
         KVPipeline.from_preset("xquant-2bit").bits_per_value(3, 64)
     with pytest.raises(ValueError, match="source='keys'"):
         T.project("weights", side="v", source="keys")
+    fitted = KVPipeline.from_preset("xquant-2bit", compile=False).for_model(tiny_model(heads=4, kv_heads=2))
+    with pytest.raises(ValueError, match=r"pass inputs\['x'\]"):
+        fitted.encode_chunk(torch.randn(1, 2, 128, 32), torch.randn(1, 2, 128, 32))
 
 
 def test_outlier_channel_is_stored_in_float16():
