@@ -11,9 +11,15 @@ from torchkv.store import KVStore
 from torchkv.testing import tiny_model
 
 
-def test_graph_count_does_not_grow_with_generation_length():
-    model = tiny_model("llama", layers=2)
-    pipe = torchkv.KVPipeline.from_preset("kivi-4bit", residual=16, group=16)
+@pytest.mark.parametrize(
+    "preset,layers,options",
+    [("kivi-4bit", 2, {"group": 16}),  # fused decode attention over packed codes
+     ("xquant-cl-2bit", 4, {"group": 16, "token_group": 32, "first_layers": 2})],  # rematerialized, cross-layer
+    ids=["kivi-4bit", "xquant-cl-2bit"],
+)
+def test_graph_count_does_not_grow_with_generation_length(preset, layers, options):
+    model = tiny_model("llama", layers=layers)
+    pipe = torchkv.KVPipeline.from_preset(preset, residual=16, **options)
     prompt = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(0))
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model)
