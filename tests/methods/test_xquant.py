@@ -260,8 +260,9 @@ def test_prefill_and_token_by_token_store_the_same_codes():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(layers, 1, t, d, generator=g)
     k = v = torch.randn(1, heads, t, head_dim, generator=g)
-    rope = lambda positions: tuple(rope_tables(1, int(positions.max()) + 1, head_dim)[n][:, positions[0]]  # noqa: E731
-                                   for n in ("cos", "sin"))
+    def rope(positions):  # positions [1, T] -> cos, sin [1, T, head_dim]
+        tables = rope_tables(1, int(positions.max()) + 1, head_dim)
+        return tables["cos"][:, positions[0]], tables["sin"][:, positions[0]]
 
     def fill(steps):
         cross = CrossLayer(layers)
