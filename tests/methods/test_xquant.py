@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import torchkv
 import torchkv.transforms as T
-from torchkv.methods.xquant import xquant, xquant_cl
+from torchkv.methods.xquant import key_outlier_channels, xquant, xquant_cl
 from torchkv.ops import weight_factors
 from torchkv.pipeline import KVPipeline
 from torchkv.store import CrossLayer, KVStore
@@ -55,6 +55,22 @@ def test_weight_factors_reconstruct_and_project(d, n, seed):
     torch.testing.assert_close(p @ p, p, rtol=0, atol=1e-10)
     assert math.isclose(float(p.trace()), rank, abs_tol=1e-9)
     assert (rank < d) == (not torch.allclose(p, torch.eye(d, dtype=torch.float64)))
+
+
+@given(d=st.integers(8, 48), kv=st.integers(4, 32), seed=st.integers(0, 1000))
+def test_outlier_channel_predicted_from_the_weights(d, kv, seed):
+    """P17: when X has a dominant component along u_0, the key channel of largest mean |K| is argmax |b_0|."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(d, kv, generator=g, dtype=torch.float64)
+    u, r = weight_factors(w)
+    b0 = r[0].abs()
+    if b0.topk(2).values[1] > 0.9 * b0.max():  # no clear margin between the two largest entries
+        return
+    x = 100 * torch.randn(64, 1, generator=g, dtype=torch.float64) * u[:, 0] + torch.randn(64, d, generator=g,
+                                                                                        dtype=torch.float64)
+    truth = (x @ w).abs().mean(0).argmax()
+    assert key_outlier_channels(w, 1).item() == truth
+    assert truth in key_outlier_channels(w, 3)
 
 
 # -- P8, P9: the GQA-CL accumulator ----------------------------------------------------------------------------------
@@ -297,6 +313,8 @@ def test_clear_errors():
         KVPipeline.from_preset("xquant-2bit").bits_per_value(3, 64)
     with pytest.raises(ValueError, match="source='keys'"):
         T.project("weights", side="v", source="keys")
+    with pytest.raises(ValueError, match=r"group=64 must divide the feature size 32.*'token_group': 64"):
+        torchkv.patch(tiny_model(heads=4, kv_heads=1), "xquant-2bit")  # a 32-wide value latent
     fitted = KVPipeline.from_preset("xquant-2bit", compile=False).for_model(tiny_model(heads=4, kv_heads=2))
     with pytest.raises(ValueError, match=r"pass inputs\['x'\]"):
         fitted.encode_chunk(torch.randn(1, 2, 128, 32), torch.randn(1, 2, 128, 32))

@@ -131,6 +131,13 @@ class WeightsProject(Transform):
         return out[:, 0].unflatten(-1, (-1, ctx.dim)).transpose(1, 2)
 
 
+def key_outlier_channels(w_k: torch.Tensor, topk: int = 1) -> torch.Tensor:
+    """Key channels predicted to carry the outliers, from the weight alone (App. B): `K = Σ_j σ_j (X·u_j)·b_jᵀ` is
+    dominated by its j = 0 term, so the `topk` largest |entries| of b_0 (first row of Bᵀ, `w_k: [d, H·D]`)."""
+    _, r = weight_factors(w_k)  # R = Σ·Bᵀ: row 0 is σ_0·b_0ᵀ
+    return r[0].abs().topk(topk).indices
+
+
 def _check(bits: int, attention: str, first_layers: int, first_bits: int) -> None:
     if attention not in ATTENTION:
         raise ValueError(f"xquant attention={attention!r}; allowed: {ATTENTION}")

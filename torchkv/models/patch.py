@@ -56,7 +56,9 @@ def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
     try:  # a dry run on one chunk surfaces shape errors now rather than mid-generation
         pipeline.bits_per_value(config.num_key_value_heads, head_dim, layers=config.num_hidden_layers)
     except ValueError as err:
-        raise ValueError(f"pipeline '{pipeline.name}' cannot encode this model's keys (head_dim {head_dim}): {err}") from err
+        options = f"; its options: {pipeline.options}" if pipeline.options else ""
+        raise ValueError(f"pipeline '{pipeline.name}' cannot encode this model's keys and values (head_dim {head_dim}, "
+                         f"hidden {config.hidden_size}): {err}{options}") from err
     pipeline.check_fitted(config.num_hidden_layers, fingerprint(model))
     window = getattr(config, "sliding_window", None)
     if any(arch.sliding_layers(model)) and window is not None and window <= pipeline.residual + pipeline.chunk:
