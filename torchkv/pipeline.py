@@ -13,7 +13,7 @@ import torch
 from torchkv import registry
 from torchkv import window as windows
 from torchkv._compat import recompile_headroom
-from torchkv.transforms import Context, Transform, build
+from torchkv.transforms import Context, ProjectionWeights, Transform, build
 
 CONFIG_FILE = "torchkv_config.json"
 PARAMS_FILE = "torchkv_params.safetensors"
@@ -613,6 +613,16 @@ class KVPipeline:
         """Names in `layer_params` that are views of the model's own weights (no memory of their own)."""
         return frozenset(f"{side}.{i}.{name}" for side, chain in (("k", self.keys), ("v", self.values))
                          for i, t in enumerate(chain.transforms) for name in t.borrowed)
+
+    def fit_weights(self, weights: list[ProjectionWeights]) -> None:
+        """Fit the transforms that derive parameters from a model's projections, each layer by the chains that
+        encode it (`weights[layer]`, see `torchkv.models.weights.projection_weights`)."""
+        with torch.no_grad():
+            for layer, w in enumerate(weights):
+                layer_pipe = self.for_layer(layer)
+                for t in layer_pipe.keys.transforms + layer_pipe.values.transforms:
+                    if t.fits_weights:
+                        t.fit_weights(layer, w)
 
     def for_model(self, model) -> "KVPipeline":
         """This pipeline for `model`: options its preset derives from the model's shapes when left "auto"

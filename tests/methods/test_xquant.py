@@ -20,12 +20,7 @@ from torchkv.transforms import Context, ProjectionWeights
 
 
 def _fit(pipe: KVPipeline, weights: list[ProjectionWeights]) -> KVPipeline:
-    """Fit every weight-derived transform layer by layer (what `for_model` does with a model's weights)."""
-    for layer, w in enumerate(weights):
-        layer_pipe = pipe.for_layer(layer)
-        for t in layer_pipe.keys.transforms + layer_pipe.values.transforms:
-            if t.fits_weights:
-                t.fit_weights(layer, w)
+    pipe.fit_weights(weights)
     return pipe
 
 

@@ -73,6 +73,12 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return modules
 
 
+def attention_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states an attention module's forward receives (its input X, after the layer's norm), from
+    a forward pre-hook's arguments."""
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
 def rope_fn(model: nn.Module, layer_idx: int) -> RopeFn:
     """positions [B, T] -> (cos, sin) [B, T, R] with the model's own rotary embedding for that layer."""
     rotary = _get(model, arch_of(model).rotary)

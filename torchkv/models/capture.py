@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from torchkv.models.arch import attention_input, attention_modules
+
 CAPTURE_NAME = "torchkv_capture"
 
 
@@ -23,12 +25,10 @@ def capture_qkv(
         layers: per layer `(q, k, v)`: post-RoPE queries `[B, Hq, T, D]`, keys and values `[B, H, T, D]`;
             `(q, k, v, x)` with `layer_inputs`, x `[B, T, d]`.
     """
-    from torchkv.models.arch import attention_modules
-
     records, inputs = {}, {}
 
     def record_input(module, args, kwargs):
-        inputs[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        inputs[module.layer_idx] = attention_input(args, kwargs)
 
     def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         records[module.layer_idx] = (query, key, value)

@@ -99,7 +99,7 @@ def _stage_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Attention pre-hook: give the layer's torchkv cache the attention block's input X (after its norm)."""
     cache = kwargs.get("past_key_values")
     if isinstance(cache, TorchKVCache):
-        cache.layers[module.layer_idx].layer_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cache.layers[module.layer_idx].layer_input = arch.attention_input(args, kwargs)
 
 
 def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict):

@@ -4,7 +4,6 @@ XQuant caches a function of the attention block's input X and rematerializes `K 
 `V = X·W_v + b_v`; its transforms derive their bases from these weights (no calibration data).
 """
 
-import torch
 from torch import nn
 
 from torchkv import registry
@@ -62,13 +61,7 @@ def specialize(pipe: KVPipeline, model: nn.Module) -> KVPipeline:
     out = KVPipeline.from_config(config)
     out.compile = pipe.compile
     out.load_params(pipe.params())
-    weights = projection_weights(model)
-    with torch.no_grad():
-        for layer, w in enumerate(weights):
-            layer_pipe = out.for_layer(layer)
-            for t in layer_pipe.keys.transforms + layer_pipe.values.transforms:
-                if t.fits_weights:
-                    t.fit_weights(layer, w)
+    out.fit_weights(projection_weights(model))
     cached[key] = out
     out._for_model[model] = {key: out}
     return out
