@@ -12,6 +12,7 @@ measured copy bandwidth.
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,48 +23,60 @@ import torchkv
 from torchkv.eval.rows import BASELINES, method
 from torchkv.eval.runner import machine
 from torchkv.eval.speed import generation_profile
-from torchkv.ops import pack_bits, quantize
 
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 10) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 10) -> float:
     """Measured memory copy bandwidth, bytes/s (read + write of `nbytes`)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     dst.copy_(src)
+    _sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         dst.copy_(src)
+    _sync(device)
     return 2 * nbytes * reps / (time.perf_counter() - start)
 
 
-def _timed(fn, reps: int) -> float:
+def _timed(fn, reps: int, device: torch.device) -> float:
     fn()
     fn()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         fn()
+    _sync(device)
     return (time.perf_counter() - start) / reps
 
 
-def kernel_row(preset: str, context: int, batch: int, heads=3, groups=3, dim=64) -> dict:
+def kernel_row(preset: str, context: int, batch: int, device: torch.device, heads=3, groups=3, dim=64) -> dict:
     """One layer's decode attention: torchkv over packed codes vs DynamicCache's concat + SDPA over fp32."""
     pipe = torchkv.KVPipeline.from_preset(preset, residual=128)
     gen = torch.Generator().manual_seed(0)
     n_enc = (context - 128) // pipe.chunk * pipe.chunk
-    k, v = (torch.randn(batch, heads, n_enc, dim, generator=gen) for _ in range(2))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    k, v = randn(batch, heads, n_enc, dim), randn(batch, heads, n_enc, dim)
     state = pipe.encode_chunk(k, v)
     chunks = n_enc // pipe.chunk
     encoded = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}
-    k_fp, v_fp = (torch.randn(batch, heads, context - n_enc, dim, generator=gen) for _ in range(2))
-    q = torch.randn(batch, heads * groups, 1, dim, generator=gen)
-    fused_s = _timed(lambda: pipe.attend_decode(q, encoded, k_fp, v_fp, None, dim**-0.5), 20)
+    k_fp, v_fp = randn(batch, heads, context - n_enc, dim), randn(batch, heads, context - n_enc, dim)
+    q = randn(batch, heads * groups, 1, dim)
+    fused_s = _timed(lambda: pipe.attend_decode(q, encoded, k_fp, v_fp, None, dim**-0.5), 20, device)
     full_k, full_v = torch.cat([k, k_fp[:, :, :-1]], 2), torch.cat([v, v_fp[:, :, :-1]], 2)
 
     def dynamic_step():
         kk, vv = torch.cat([full_k, k_fp[:, :, -1:]], 2), torch.cat([full_v, v_fp[:, :, -1:]], 2)
         return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
 
-    sdpa_s = _timed(dynamic_step, 20)
+    sdpa_s = _timed(dynamic_step, 20, device)
     compressed = sum(t.numel() * t.element_size() for t in state.values())
     return {
         "preset": preset, "context": context, "batch": batch, "torchkv_ms": 1e3 * fused_s,
@@ -80,29 +93,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets() if not p["calibrate"]))
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    parser.add_argument("--append", action="store_true", help="add this run's rows to the JSON at --out")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     names = list(BASELINES) + [p for p in args.presets.split(",") if p]
     out = Path(args.out)
-    bandwidth = copy_bandwidth()
-    results = {
-        "meta": {"kind": "decode-benchmark", "model": "smollm2-135m", "torchkv": torchkv.__version__,
-                 "torch": torch.__version__, "machine": machine(), "copy_bandwidth_bytes_per_s": bandwidth,
-                 "new_tokens": args.new_tokens, "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
-        "rows": [],
-        "kernel": [],
-    }
-    for preset in args.kernel_presets.split(","):
+    bandwidth = copy_bandwidth(device)
+    run = {"copy_bandwidth_bytes_per_s": bandwidth, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "argv": argv if argv is not None else sys.argv[1:]}
+    if args.append and out.is_file():
+        results = json.loads(out.read_text())
+        results["meta"]["runs"].append(run)
+    else:
+        results = {
+            "meta": {"kind": "decode-benchmark", "model": "smollm2-135m", "torchkv": torchkv.__version__,
+                     "torch": torch.__version__, "machine": machine(), "device": str(device),
+                     "new_tokens": args.new_tokens, "runs": [run]},
+            "rows": [],
+            "kernel": [],
+        }
+    for preset in filter(None, args.kernel_presets.split(",")):
         for context in contexts:
             for batch in batches:
-                row = kernel_row(preset, context, batch)
+                row = kernel_row(preset, context, batch, device)
                 row["fraction_of_copy_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
                 results["kernel"].append(row)
                 print(json.dumps(row), flush=True)
     for dtype in args.dtypes.split(","):
         model, tokenizer = torchkv.load_model(dtype=getattr(torch, dtype))
+        model.to(device)
         for batch in batches:
             for context in contexts:
                 cell = []

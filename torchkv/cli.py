@@ -61,15 +61,17 @@ def _eval(args) -> None:
 
 
 def _report(args) -> None:
-    from torchkv.eval.report import load, markdown_table, plots
+    from torchkv.eval import decode_report, report
 
-    results = load(args.results)
+    results = report.load(args.results)
+    stem = Path(args.results).stem
     out_dir = Path(args.out_dir or Path(args.results).parent)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(results)
-    (out_dir / (Path(args.results).stem + ".md")).write_text(table + "\n")
+    decode = results["meta"].get("kind") == "decode-benchmark"
+    table = decode_report.markdown_table(results) if decode else report.markdown_table(results)
+    (out_dir / (stem + ".md")).write_text(table + "\n")
     print(table)
-    for path in plots(results, out_dir):
+    for path in decode_report.plots(results, out_dir, stem) if decode else report.plots(results, out_dir):
         print(f"wrote {path}")
 
 

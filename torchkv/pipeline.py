@@ -555,9 +555,13 @@ class KVPipeline:
                 raise ValueError(f"pipeline '{self.name}' reads the layer input through weights it has not been "
                                  "fitted to; call pipe = pipe.for_model(model) first")
             inputs["x"] = torch.randn(1, self.chunk, widths.pop(), generator=gen)
+        params = self.layer_params(layer)
+        device = next((t.device for t in params.values()), torch.device("cpu"))  # fitted on the model's device
+        k, v = k.to(device), v.to(device)
+        inputs = {n: t.to(device) for n, t in inputs.items()}
         with torch.no_grad():
             prepared = self.prepare(k, v, inputs=inputs) if self.needs_prepare else {}
-            state = self._encode(k, v, self.layer_params(layer), prepared, None, inputs)  # eager: accounting only
+            state = self._encode(k, v, params, prepared, None, inputs)  # eager: accounting only
         n = k.numel()
         return BitsPerValue(8 * _nbytes(_sub(state, "k.")) / n, 8 * _nbytes(_sub(state, "v.")) / n)
 

@@ -1,5 +1,6 @@
 """The command line, the examples and the README, run as a user would."""
 
+import json
 import re
 import subprocess
 import sys
@@ -96,3 +97,26 @@ def test_calibrate_command_saves_a_pipeline_that_eval_rows_and_patch_load(tmp_pa
     with pytest.raises(SystemExit):
         main(["calibrate", "--preset", "kivi-2bit", "--out", str(tmp_path / "kivi")])
     assert "nothing to calibrate" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
+    out = tmp_path / "decode.json"
+    done = _run("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32",
+                "--presets", "kivi-4bit", "--new-tokens", "2", "--kernel-presets", "kivi-2bit", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run("benchmarks/decode.py", "--append", "--contexts", "512", "--batches", "2", "--dtypes", "float32",
+                "--presets", "", "--new-tokens", "2", "--kernel-presets", "", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert [(r["name"], r["batch"]) for r in results["rows"]] == [
+        ("dynamic", 1), ("quanto-4bit", 1), ("quanto-2bit", 1), ("kivi-4bit", 1),
+        ("dynamic", 2), ("quanto-4bit", 2), ("quanto-2bit", 2),
+    ]
+    assert len(results["meta"]["runs"]) == 2 and results["rows"][0]["decode_ratio"] == 1.0
+    kernel = results["kernel"][0]
+    assert kernel["compressed_bytes"] < kernel["fp32_bytes"] / 5 and kernel["torchkv_ms"] > 0
+    main(["report", str(out)])
+    table = (tmp_path / "decode.md").read_text()
+    assert "| kivi-4bit | " in table and "float32 b2 512" in table and "| kivi-2bit | 512 | 1 |" in table
+    assert (tmp_path / "decode.png").stat().st_size > 10_000
