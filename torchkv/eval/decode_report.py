@@ -4,8 +4,10 @@ from pathlib import Path
 
 
 def _cells(results: dict) -> list[tuple[str, int, int]]:
-    """(dtype, batch, context) of every measured cell, in the order measured."""
-    return list(dict.fromkeys((r["dtype"], r["batch"], r["context"]) for r in results["rows"]))
+    """(dtype, batch, context) of every measured cell, by dtype (as first measured), batch and context."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in results["rows"]))
+    cells = {(r["dtype"], r["batch"], r["context"]) for r in results["rows"]}
+    return sorted(cells, key=lambda c: (dtypes.index(c[0]), c[1], c[2]))
 
 
 def _by_cell(results: dict) -> dict[tuple[str, int, int, str], dict]:
@@ -75,15 +77,21 @@ def plots(results: dict, out_dir: str | Path, stem: str = "decode") -> list[Path
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((d, b) for d, b, _ in _cells(results)))
+    names = list(dict.fromkeys(r["name"] for r in results["rows"]))
+    colors = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     for ax, (dtype, batch) in zip(axes[0], panels):
         rows = [r for r in results["rows"] if r["dtype"] == dtype and r["batch"] == batch]
-        for name in dict.fromkeys(r["name"] for r in rows):
+        for i, name in enumerate(names):
             points = sorted((r["context"], r["decode_ratio"]) for r in rows if r["name"] == name)
-            style = "--" if name == "dynamic" or name.startswith("quanto") else "-"
-            ax.plot(*zip(*points), marker="o", linestyle=style, label=name)
+            if points:
+                style = "--" if name == "dynamic" or name.startswith("quanto") else "-"
+                ax.plot(*zip(*points), marker="o", linestyle=style, color=colors(i % 20), label=name)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
+        contexts = sorted({r["context"] for r in rows})
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s / DynamicCache")
         ax.set_title(f"{dtype}, batch {batch}")
