@@ -6,8 +6,12 @@ DynamicCache of the same cell. A kernel-level section times one layer's decode a
 codes against SDPA over the full-precision cache, and the bytes/s it reaches against the machine's
 measured copy bandwidth.
 
-    python benchmarks/decode.py --out benchmarks/results/decode_cpu.json
-    torchkv report benchmarks/results/decode_cpu.json
+    python benchmarks/decode.py --out benchmarks/results/decode/decode_cpu.json
+    python benchmarks/decode.py --append --batches 8 --contexts 8192 --presets kivi-2bit --out ...  # more cells
+    python benchmarks/decode.py --device cuda --dtypes bfloat16 --out benchmarks/results/decode/decode_h100_bf16.json
+    torchkv report benchmarks/results/decode/decode_cpu.json
+
+The full grid of every preset is hours on a 2-core CPU; each run's arguments are kept in meta.runs.
 """
 
 import argparse
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default="benchmarks/results/decode_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/decode/decode_cpu.json")
     parser.add_argument("--append", action="store_true", help="add this run's rows to the JSON at --out")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
