@@ -26,12 +26,7 @@ import torch.nn.functional as F
 import torchkv
 from torchkv.eval.rows import BASELINES, method
 from torchkv.eval.runner import machine
-from torchkv.eval.speed import generation_profile
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from torchkv.eval.speed import generation_profile, sync
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 10) -> float:
@@ -39,22 +34,22 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         dst.copy_(src)
-    _sync(device)
+    sync(device)
     return 2 * nbytes * reps / (time.perf_counter() - start)
 
 
 def _timed(fn, reps: int, device: torch.device) -> float:
     fn()
     fn()
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) / reps
 
 

@@ -9,7 +9,8 @@ from torchkv.eval.data import token_stream
 from torchkv.eval.rows import Method, cache_nbytes
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so wall-clock timers measure it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -23,18 +24,18 @@ def _run(model, method: Method, ids: torch.Tensor, new_tokens: int) -> tuple[flo
     """Prefill `ids` into a fresh cache, then greedy-decode; returns (prefill s, warm-up s, decode s, cache)."""
     device = ids.device
     cache = method.new_cache(model)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    _sync(device)
+    sync(device)
     times = [time.perf_counter()]
     for step in range(WARM_STEPS + new_tokens):
         token = logits[:, -1:].argmax(-1)
         logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
         if step == WARM_STEPS - 1:
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter())
-    _sync(device)
+    sync(device)
     times.append(time.perf_counter())
     return times[0] - t0, times[1] - times[0], times[2] - times[1], cache
 
