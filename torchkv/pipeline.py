@@ -12,7 +12,7 @@ import torch
 
 from torchkv import registry
 from torchkv import window as windows
-from torchkv._compat import recompile_headroom
+from torchkv._compat import own_cache, recompile_headroom
 from torchkv.transforms import Context, ProjectionWeights, Transform, build
 
 CONFIG_FILE = "torchkv_config.json"
@@ -81,7 +81,17 @@ class Chain:
                 )
             resolved.append(t)
         self.transforms = resolved
-        self.fused = self._fusable()
+        packed = len(resolved) > 1 and resolved[-1].kind == "pack" and getattr(resolved[-1], "planar", False)
+        #: the transform whose `scores`/`weighted_sum` read the stored output: the last one, or the one before a
+        #: planar pack when it reads packed codes
+        self.reader = len(resolved) - 1 - packed
+        reader = resolved[self.reader] if resolved else None
+        readable = reader is not None and getattr(reader, "reads_packed", False) == packed
+        prefix = resolved[: self.reader]
+        #: decode attention scores queries against the stored form (linear transforms before the reader)
+        self.scores_stored = readable and hasattr(reader, "scores") and all(t.linear for t in prefix)
+        #: decode attention sums the stored form (transforms before the reader map sums back)
+        self.sums_stored = readable and hasattr(reader, "weighted_sum") and all(t.maps_output for t in prefix)
         #: index of the first transform after the position-dependent ones (those reading "cos"/"sin") and the
         #: rematerializing ones: its decoded input is the chain's carried reconstruction, what a cross-layer
         #: predictor of the next layer reads: pre-RoPE keys (AQUA-KV), or the cached layer input X̂ (XQuant)
@@ -106,19 +116,6 @@ class Chain:
         """Some transform reads another layer's or the other chain's reconstruction (see `KVPipeline.carries`)."""
         return bool(CROSS_INPUTS & self.requires)
 
-    def _fusable(self) -> bool:
-        """Decode attention can read the encoded form directly: linear transforms, then a quantizer with
-        `scores`/`weighted_sum`, then a planar pack."""
-        if len(self.transforms) < 2:
-            return False
-        *prefix, quantizer, pack = self.transforms
-        return (
-            pack.kind == "pack"
-            and getattr(pack, "planar", False)
-            and hasattr(quantizer, "scores")
-            and all(t.linear for t in prefix)
-        )
-
     def _ctx(self, i: int, dim: int, params: Mapping, prepared: Mapping, valid=None, inputs=None) -> Context:
         upstream = {k: v for j in range(i) for k, v in _sub(prepared, f"{j}.").items()}
         return Context(dim, _sub(params, f"{i}."), _sub(prepared, f"{i}."), valid, inputs or {}, upstream)
@@ -126,23 +123,25 @@ class Chain:
     def scores(
         self, q: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping
     ) -> torch.Tensor:
-        """Scores of `q: [B, H, g, dim]` against the encoded tokens (state viewed by chunk): [B, H, g, NC, C]."""
-        *prefix, quantizer, _ = self.transforms
-        dims = self.dims(dim)
-        for i, t in enumerate(prefix):
+        """Scores of `q: [B, H, g, dim]` against the encoded tokens (state viewed by chunk): [B, H, g, NC, C]
+        (requires `scores_stored`)."""
+        r, dims = self.reader, self.dims(dim)
+        for i, t in enumerate(self.transforms[:r]):
             q = t.map_query(q, self._ctx(i, dims[i], params, prepared))
-        return quantizer.scores(q, state["out"], _sub(state, f"{len(prefix)}."))
+        return self.transforms[r].scores(q, state["out"], _sub(state, f"{r}."))
 
     def weighted_sum(
-        self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping
+        self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping,
+        inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """`Σ_t p_t x̂_t` over the encoded tokens for `p: [B, H, g, NC, C]`: [B, H, g, dim] float32."""
-        *prefix, quantizer, _ = self.transforms
-        dims = self.dims(dim)
-        qi = len(prefix)
-        out = quantizer.weighted_sum(p, state["out"], _sub(state, f"{qi}."), self._ctx(qi, dims[qi], params, prepared))
-        for i in reversed(range(qi)):
-            out = prefix[i].map_output(out, self._ctx(i, dims[i], params, prepared))
+        """`Σ_t p_t x̂_t` over the encoded tokens for `p: [B, H, g, NC, C]`: [B, H, g, dim] float32 (requires
+        `sums_stored`)."""
+        r, dims = self.reader, self.dims(dim)
+        ctx = self._ctx(r, dims[r], params, prepared, None, inputs)
+        out = self.transforms[r].weighted_sum(p, state["out"], _sub(state, f"{r}."), ctx)
+        total = p.sum((-2, -1))[..., None]
+        for i in reversed(range(r)):
+            out = self.transforms[i].map_output(out, total, self._ctx(i, dims[i], params, prepared, None, inputs))
         return out
 
     def dims(self, dim: int) -> list[int]:
@@ -369,16 +368,21 @@ class KVPipeline:
             state.update(_prefixed(encoded, f"{side}."))
         return {**state, **_prefixed(carry, "carry.")}
 
-    def _decode(self, state, head_dim, params, prepared, inputs):
+    def _decode_side(self, side: str, chain: Chain, state, head_dim: int, params, prepared, inputs, carry: dict):
+        """One chain's `[B, H, T, head_dim]` from its flat encoded state; in a cross-layer pipeline it reads the
+        previous layer's reconstruction (and, values, `carry["k"]`) and records its own in `carry[side]`."""
+        s, p, q = _sub(state, f"{side}."), _sub(params, f"{side}."), _sub(prepared, f"{side}.")
         if not self.carries:
-            return _decode_pair(self.keys, self.values, state, head_dim, params, prepared, inputs)
-        out, carry = [], {}
-        for side, chain in (("k", self.keys), ("v", self.values)):
-            own = _side_inputs(inputs, side, carry.get("k"))
-            s, p, q = _sub(state, f"{side}."), _sub(params, f"{side}."), _sub(prepared, f"{side}.")
-            carry[side] = chain.decode_to(s, head_dim, p, q, own, chain.carry_index)
-            out.append(chain.decode_below(carry[side], chain.carry_index, s, head_dim, p, q, own))
-        return out[0], out[1], carry
+            return chain.decode(s, head_dim, p, q, inputs)
+        own = _side_inputs(inputs, side, carry.get("k"))
+        carry[side] = chain.decode_to(s, head_dim, p, q, own, chain.carry_index)
+        return chain.decode_below(carry[side], chain.carry_index, s, head_dim, p, q, own)
+
+    def _decode(self, state, head_dim, params, prepared, inputs):
+        carry = {}
+        k = self._decode_side("k", self.keys, state, head_dim, params, prepared, inputs, carry)
+        v = self._decode_side("v", self.values, state, head_dim, params, prepared, inputs, carry)
+        return (k, v, carry) if self.carries else (k, v)
 
     def _run(self, name: str, *args):
         fn = getattr(self, name)
@@ -387,20 +391,26 @@ class KVPipeline:
         if name not in self._compiled:
             # static shapes except the axes callers mark dynamic: automatic dynamic would also generalize
             # axes that differ between pipelines (code widths), which stops Inductor vectorizing
-            self._compiled[name] = torch.compile(fn, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+            self._compiled[name] = torch.compile(own_cache(fn), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
         with recompile_headroom():
             return self._compiled[name](*args)
 
     @property
     def fused(self) -> bool:
-        """Compiled decode attention reads both chains' encoded forms without reconstructing them."""
-        return self.compile and self.keys.fused and self.values.fused
+        """Compiled decode attention reads both chains' stored forms: no key or value of the history is rebuilt."""
+        return self.compile and self.keys.scores_stored and self.values.sums_stored and not self.carries
 
-    def _attend_decode(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared):
+    def _attend_decode(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, inputs):
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
         qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
-        s_enc = self.keys.scores(qg, _sub(encoded, "k."), d, _sub(params, "k."), _sub(prepared, "k."))
+        flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
+        carry: dict[str, torch.Tensor] = {}
+        if self.keys.scores_stored and not self.carries:
+            s_enc = self.keys.scores(qg, _sub(encoded, "k."), d, _sub(params, "k."), _sub(prepared, "k."))
+        else:  # keys rematerialized (RoPE at each position) or predicted from the previous layer's
+            k_enc = self._decode_side("k", self.keys, flat, d, params, prepared, inputs, carry)  # [B, H, T, D]
+            s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (encoded["k.out"].shape[2], -1))
         nc, c = s_enc.shape[-2:]
         scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
         if softcap is not None:
@@ -409,10 +419,18 @@ class KVPipeline:
             scores = scores.masked_fill(~mask, -math.inf)
         p = torch.softmax(scores, -1)
         p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
-        out = self.values.weighted_sum(p_enc, _sub(encoded, "v."), d, _sub(params, "v."), _sub(prepared, "v."))
+        if self.values.sums_stored:
+            own = _side_inputs(inputs, "v", carry.get("k")) if self.carries else inputs
+            pv, qv = _sub(params, "v."), _sub(prepared, "v.")
+            out = self.values.weighted_sum(p_enc, _sub(encoded, "v."), d, pv, qv, own)
+            if self.carries:
+                carry["v"] = self.values.decode_to(_sub(flat, "v."), d, pv, qv, own, self.values.carry_index)
+        else:
+            v_enc = self._decode_side("v", self.values, flat, d, params, prepared, inputs, carry)
+            out = p_enc.flatten(-2) @ v_enc
         p_fp = p[..., nc * c :]  # [B, H, g, F]
         out = out + p_fp @ v_fp.float()
-        return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2))
+        return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
 
     def attend_decode(
         self,
@@ -426,31 +444,42 @@ class KVPipeline:
         layer: int = 0,
         prepared: Mapping[str, torch.Tensor] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of attention over encoded chunks and full-precision tokens (requires `fused`).
+        inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """One compiled decode step of attention over encoded chunks and full-precision tokens.
+
+        Keys are scored from their stored form where the key chain allows it (`Chain.scores_stored`), else
+        rebuilt first (pre-RoPE keys, XQuant's rematerialization, cross-layer prediction); values are summed
+        in their stored form where the value chain allows it (`Chain.sums_stored`: packed codes, XQuant's
+        latents), else rebuilt. `fused` pipelines rebuild neither.
 
         Args:
             q: [B, Hq, 1, D]. encoded: state tensors viewed by chunk, `[B, *, NC, rows per chunk, ...]`.
             k_fp, v_fp: [B, H, F, D], the full-precision tokens, which come after the encoded ones.
             mask: [B or 1, 1, 1, NC·C + F] bool (True = attend), or None.
             params: the layer's fitted parameters (`layer_params(layer)`), to skip looking them up.
+            inputs: what rebuilding the encoded tokens reads (`decode_chunk`'s inputs for them).
 
         Returns:
             out: [B, Hq, 1, D], q's dtype.
             fp_attention: [F] float32, each full-precision token's attention probability averaged over
                 batch rows and query heads (what a window policy reads).
+            carry: for pipelines that `carries`, this layer's reconstruction of the encoded tokens as
+                `decode_chunk` returns it (the next layer's "previous"); else empty.
         """
         for t in (*encoded.values(), k_fp, v_fp):
             torch._dynamo.maybe_mark_dynamic(t, 2)  # one graph for every number of chunks and window size
+        for t in (inputs or {}).values():
+            torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)
         if mask is not None:
             torch._dynamo.maybe_mark_dynamic(mask, 3)
         # a Python float argument would become a fresh tensor input at every call
         scaled = q.float() * scale
-        out, fp_attention = self._run(
+        out, fp_attention, carry = self._run(
             "_attend_decode", scaled, dict(encoded), k_fp, v_fp, mask, softcap,
-            self.layer_params(layer) if params is None else dict(params), dict(prepared or {}),
+            self.layer_params(layer) if params is None else dict(params), dict(prepared or {}), dict(inputs or {}),
         )
-        return out.to(q.dtype), fp_attention
+        return out.to(q.dtype), fp_attention, carry
 
     def encode_chunk(
         self,

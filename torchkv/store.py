@@ -263,17 +263,27 @@ class KVStore:
                 flushed += (held - pipe.residual) // pipe.chunk * pipe.chunk
         return flushed
 
+    def history_inputs(self) -> dict[str, torch.Tensor]:
+        """What rebuilding the encoded tokens reads besides their state: cos/sin of their positions and, across
+        layers, the previous layer's reconstruction of them (taken: call `hand_over` with this layer's after)."""
+        start = self.n_sinks
+        inputs = self._rope_inputs(start, start + self.n_encoded)
+        if self.pipeline.carries and self.layer:
+            inputs.update(self.cross_layer.take("history", self.layer, self.n_encoded))
+        return inputs
+
+    def hand_over(self, carry: Mapping[str, torch.Tensor]) -> None:
+        """Give the next layer this layer's reconstruction of the encoded tokens (cross-layer pipelines)."""
+        if self.pipeline.carries:
+            self.cross_layer.put("history", self.layer, carry)
+
     def decode_encoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoded chunks reconstructed, `[B, H, n_encoded, D]` each in the cache dtype (transient)."""
-        start, pipe = self.n_sinks, self.pipeline
-        inputs = self._rope_inputs(start, start + self.n_encoded)
-        if pipe.carries and self.layer:
-            inputs.update(self.cross_layer.take("history", self.layer, self.n_encoded))
-        k, v, *carry = pipe.decode_chunk(
-            self.encoded, head_dim=self.head_dim, prepared=self.prepared, inputs=inputs, params=self.params
+        k, v, *carry = self.pipeline.decode_chunk(
+            self.encoded, head_dim=self.head_dim, prepared=self.prepared, inputs=self.history_inputs(),
+            params=self.params,
         )
-        if pipe.carries:
-            self.cross_layer.put("history", self.layer, carry[0])
+        self.hand_over(carry[0] if carry else {})
         return k.to(self.dtype), v.to(self.dtype)
 
     def gather_encoded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,7 +70,7 @@ def test_fused_decode_attention_reads_the_codes():
     encoded = {n: t.unflatten(2, (4, t.shape[2] // 4)) for n, t in state.items()}
     k_fp, v_fp = torch.randn(1, 3, 5, 64), torch.randn(1, 3, 5, 64)
     query = torch.randn(1, 9, 1, 64)
-    out, _ = pipe.attend_decode(query, encoded, k_fp, v_fp, None, 0.125, prepared=prepared)
+    out, _, _ = pipe.attend_decode(query, encoded, k_fp, v_fp, None, 0.125, prepared=prepared)
     keys, values = torch.cat([k_hat, k_fp], 2), torch.cat([v_hat, v_fp], 2)
     reference = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=0.125, enable_gqa=True)
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)

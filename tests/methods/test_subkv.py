@@ -117,7 +117,7 @@ def test_packed_code_decode_attention_reports_the_probabilities_dense_attention_
     encoded = {n: t.unflatten(2, (4, t.shape[2] // 4)) for n, t in state.items()}
     k_fp, v_fp = torch.randn(2, 3, 9, 64), torch.randn(2, 3, 9, 64)
     q = torch.randn(2, 9, 1, 64)
-    out, fp_attention = pipe.attend_decode(q, encoded, k_fp, v_fp, None, 0.125)
+    out, fp_attention, _ = pipe.attend_decode(q, encoded, k_fp, v_fp, None, 0.125)
     dense, probs = attend_dense(q, torch.cat([k_hat, k_fp], 2), torch.cat([v_hat, v_fp], 2), None, 0.125)
     torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fp_attention, probs.mean((0, 1, 2))[0, 128:], rtol=1e-4, atol=1e-6)

@@ -209,6 +209,32 @@ def test_identity_quantizer_rematerializes_exactly(form, kv_heads, arch, cross_l
     assert torch.equal(generated, expected)
 
 
+@given(form=st.sampled_from(["gqa", "mha"]), bias=st.booleans(), heads=st.integers(1, 3), chunks=st.integers(1, 3),
+       seed=st.integers(0, 1000))
+def test_values_summed_in_the_latent_equal_sums_of_rematerialized_values(form, bias, heads, chunks, seed):
+    """Decode attention never forms V: `Σ_t p_t (ẑ_t·R + b) = (Σ_t p_t ẑ_t)·R_h + b_h·Σ_t p_t`, from the stored codes
+    (GQA latent) or from the key chain's X̂ (MHA and CL value chains, which store nothing)."""
+    d, head_dim, chunk = 24, 8, 4
+    if form == "gqa":
+        values = [T.project("weights", side="v", basis_dtype="float32"), T.quantize(bits=2, axis="token", group=4),
+                  T.pack()]
+    else:
+        values = [T.project("weights", side="v", basis="input", source="keys")]
+    pipe = _fit(KVPipeline([T.quantize("cast", dtype="float32")], values, residual=0, chunk=chunk),
+                _weights(1, d, heads * head_dim, seed, bias))
+    assert pipe.values.sums_stored
+    g = torch.Generator().manual_seed(seed)
+    t = chunks * chunk
+    inputs = {"x": torch.randn(1, t, d, generator=g), "keys": torch.randn(1, 1, t, d, generator=g)}
+    params = {n[2:]: p for n, p in pipe.layer_params(0).items() if n.startswith("v.")}
+    state = pipe.values.encode(torch.zeros(1, heads, t, head_dim), params, {}, None, inputs)
+    rebuilt = pipe.values.decode(state, head_dim, params, {}, inputs)  # [1, H, T, D]
+    p = torch.rand(1, heads, 3, chunks, chunk, generator=g)
+    by_chunk = {n: s.unflatten(2, (chunks, s.shape[2] // chunks)) for n, s in state.items()}
+    got = pipe.values.weighted_sum(p, by_chunk, head_dim, params, {}, inputs)
+    torch.testing.assert_close(got, p.flatten(-2) @ rebuilt, rtol=1e-4, atol=1e-4)
+
+
 # -- presets, the MHA/GQA choice, memory ----------------------------------------------------------------------------
 
 

@@ -14,12 +14,13 @@ from torchkv.testing import tiny_model
 @pytest.mark.parametrize(
     "preset,layers,options",
     [("kivi-4bit", 2, {"group": 16}),  # fused decode attention over packed codes
-     ("xquant-cl-2bit", 4, {"group": 16, "token_group": 32, "first_layers": 2})],  # rematerialized, cross-layer
-    ids=["kivi-4bit", "xquant-cl-2bit"],
+     ("xquant-cl-2bit", 4, {"group": 16, "token_group": 32, "first_layers": 2}),  # rematerialized, cross-layer
+     ("svdq-1.25bit", 2, {"group": 16, "residual": 0})],  # prompt-only window: full precision grows
+    ids=["kivi-4bit", "xquant-cl-2bit", "svdq-1.25bit"],
 )
 def test_graph_count_does_not_grow_with_generation_length(preset, layers, options):
     model = tiny_model("llama", layers=layers)
-    pipe = torchkv.KVPipeline.from_preset(preset, residual=16, **options)
+    pipe = torchkv.KVPipeline.from_preset(preset, **{"residual": 16, **options})
     prompt = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(0))
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model)
@@ -30,44 +31,65 @@ def test_graph_count_does_not_grow_with_generation_length(preset, layers, option
             logits = model(token, past_key_values=cache).logits
             if step in (150, 999):
                 graphs.append(counters["stats"]["unique_graphs"])
-    assert cache.layers[0].store.n_encoded > 960
+    store = cache.layers[0].store
+    assert store.n_encoded > 960 or store.n_residual > 960  # encoded chunks, or the full-precision part, grew
     assert graphs[1] == graphs[0], f"{graphs[1] - graphs[0]} graphs compiled between tokens 150 and 1000"
 
 
+def _cast_chains(compile: bool) -> torchkv.KVPipeline:
+    """The whole cache in float16 with a full-precision window (fp16 without its window, where every new token
+    is rounded at once, diverges chaotically between any two summation orders)."""
+    return torchkv.KVPipeline([T.quantize("cast", dtype="float16")], [T.quantize("cast", dtype="float16")],
+                              residual=64, compile=compile)
+
+
+def _hadamard_mixed(compile: bool) -> torchkv.KVPipeline:
+    return torchkv.KVPipeline(
+        [T.rotate("hadamard"), T.quantize(bits=4, axis="token", group=32, symmetric=True), T.pack()],
+        [T.rotate("hadamard"), T.quantize(bits=2, axis="channel", group=32), T.pack()],
+        residual=64, compile=compile,
+    )
+
+
+def _preset(name: str, **options):
+    return lambda compile: torchkv.KVPipeline.from_preset(name, compile=compile, **options)
+
+
+#: (pipeline factory, fused): fused ones read both chains' stored forms; the others rebuild keys (pre-RoPE,
+#: rematerialized from X, predicted) inside the same compiled graph, and XQuant sums its values in the latent
+COMPILED_DECODE = {
+    "kivi-2bit": (_preset("kivi-2bit"), True),
+    "kivi-4bit-sinks": (_preset("kivi-4bit", sinks=4), True),
+    "hadamard-mixed": (_hadamard_mixed, True),
+    "float16-window": (_cast_chains, True),
+    "xquant-2bit": (_preset("xquant-2bit"), False),
+    "xquant-cl-2bit": (_preset("xquant-cl-2bit"), False),
+    "svdq-1.25bit-v4": (_preset("svdq-1.25bit-v4"), False),
+    "svdq-1.25bit": pytest.param((_preset("svdq-1.25bit"), False), marks=pytest.mark.slow),
+    "aquakv-2bit-nopred": pytest.param((_preset("aquakv-2bit-nopred"), False), marks=pytest.mark.slow),
+    "squat-pre-2bit": pytest.param((_preset("squat-pre-2bit"), False), marks=pytest.mark.slow),
+}
+
+
 @pytest.mark.model
-@pytest.mark.parametrize(
-    "pipe",
-    [
-        torchkv.KVPipeline.from_preset("kivi-2bit"),
-        torchkv.KVPipeline.from_preset("kivi-4bit", sinks=4),
-        torchkv.KVPipeline(
-            [T.rotate("hadamard"), T.quantize(bits=4, axis="token", group=32, symmetric=True), T.pack()],
-            [T.rotate("hadamard"), T.quantize(bits=2, axis="channel", group=32), T.pack()],
-            residual=64,
-        ),
-    ],
-    ids=["kivi-2bit", "kivi-4bit-sinks", "hadamard-mixed"],
-)
-def test_fused_decode_matches_reconstruction_and_never_rebuilds_the_history(smollm2, pipe, monkeypatch):
+@pytest.mark.parametrize("case", COMPILED_DECODE.values(), ids=COMPILED_DECODE.keys())
+def test_compiled_decode_matches_eager_and_never_rebuilds_the_history(smollm2, case, monkeypatch):
+    """Teacher-forced decode steps after a 700-token prompt: the compiled step (one graph per layer over the stored
+    form) gives the eager pipeline's logits, and never calls `KVStore.history` (reconstruct, then concatenate)."""
+    factory, fused = case
     model, tokenizer = smollm2
-    assert pipe.fused
-    prompt = documents(tokenizer, 700, 1)
-    # the same recipe run eagerly, reconstructing the history at every step
-    reference_pipe = torchkv.KVPipeline(pipe.keys.transforms, pipe.values.transforms, residual=pipe.residual,
-                                        sinks=pipe.sinks, compile=False)
-    assert not reference_pipe.fused
+    ids = documents(tokenizer, 740, 1)
+    prompt, tokens = ids[:, :700], ids[:, 700:]
+    pipe, reference_pipe = factory(True), factory(False)
+    assert pipe.fused == fused and not reference_pipe.fused
     steps = []
     for p in (reference_pipe, pipe):
         with torchkv.patched(model, p), torch.no_grad():
             cache = torchkv.new_cache(model)
-            logits = model(prompt, past_key_values=cache).logits[:, -1:]
-            if p is pipe:  # from here on, decoding must read the packed codes only
+            model(prompt, past_key_values=cache)
+            if p is pipe:
                 monkeypatch.setattr(KVStore, "history", lambda self: pytest.fail("history reconstructed in decode"))
-            out = []
-            for _ in range(40):
-                token = logits.argmax(-1)
-                logits = model(token, past_key_values=cache).logits
-                out.append(logits[0, -1])
-            steps.append(torch.stack(out))
+            steps.append(torch.stack([model(tokens[:, i : i + 1], past_key_values=cache).logits[0, -1]
+                                      for i in range(tokens.shape[1])]))
             monkeypatch.undo()
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=2e-3)

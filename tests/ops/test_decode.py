@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchkv.ops import dequantize, pack_bits, quantize
-from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes
+from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes, shared_weighted_sum
 from torchkv.pipeline import COMPILE_OPTIONS
 
 
@@ -40,6 +40,28 @@ def test_scores_and_weighted_sums_match_reconstruction(bits, axis, symmetric, di
     p = torch.softmax(expected, -1)
     out = affine_weighted_sum(p.unflatten(-1, (chunks, chunk)), planes, scale_c, zero_c, bits, axis, dim)
     torch.testing.assert_close(out, torch.einsum("bhgt,bhtd->bhgd", p, xhat), rtol=1e-4, atol=1e-5)
+
+
+@given(
+    bits=st.sampled_from([1, 2, 4, 8]),
+    symmetric=st.booleans(),
+    dim=st.sampled_from([64, 96, 192]),
+    heads=st.integers(1, 3),
+    chunks=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+)
+def test_a_latent_shared_by_every_head_sums_as_its_reconstruction(bits, symmetric, dim, heads, chunks, seed):
+    """XQuant's value latent: one per-token-quantized row `[B, 1, T, r]` summed by the query rows of every head."""
+    gen = torch.Generator().manual_seed(seed)
+    b, g, chunk = 2, 3, 16
+    x = torch.randn(b, 1, chunks * chunk, dim, generator=gen)
+    codes, scale, zero = quantize(x, bits, -1, 32, symmetric)
+    xhat = dequantize(codes, scale, zero, bits, -1, 32)
+    planes = code_planes(_by_chunk(pack_bits(codes, bits), chunks), bits)
+    p = torch.softmax(torch.randn(b, heads, g, chunks * chunk, generator=gen), -1)
+    out = shared_weighted_sum(p.unflatten(-1, (chunks, chunk)), planes, _by_chunk(scale, chunks),
+                              None if zero is None else _by_chunk(zero, chunks), bits, dim)
+    torch.testing.assert_close(out, torch.einsum("bhgt,btd->bhgd", p, xhat[:, 0]), rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_kernel_equals_eager_with_a_dynamic_chunk_axis():

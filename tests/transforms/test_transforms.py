@@ -182,6 +182,40 @@ def test_compiled_equals_eager(kind, name, cfg):
     torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
 
 
+#: chains whose stored form decode attention reads directly (scores of keys, weighted sums of values)
+READ_STORED = {
+    "float16": lambda: [T.quantize("cast", dtype="float16")],
+    "bfloat16-after-hadamard": lambda: [T.rotate("hadamard"), T.quantize("cast", dtype="bfloat16")],
+    "uniform-token": lambda: [T.quantize(bits=4, axis="token", group=16), T.pack()],
+    "uniform-channel-after-hadamard": lambda: [T.rotate("hadamard"), T.quantize(bits=2, axis="channel", group=8),
+                                               T.pack()],
+}
+
+
+@pytest.mark.parametrize("chain", READ_STORED.values(), ids=READ_STORED.keys())
+@given(chunks=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_scores_and_sums_read_from_the_stored_form_equal_the_reconstructions(chain, chunks, seed):
+    chain = Chain(chain())
+    assert chain.scores_stored and chain.sums_stored
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 8 * chunks, 32, generator=g)
+    state = chain.encode(x, {}, {}, None, {})
+    xhat = chain.decode(state, 32, {}, {}, {})
+    by_chunk = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}
+    q = torch.randn(2, 3, 4, 32, generator=g)
+    scores = chain.scores(q, by_chunk, 32, {}, {})
+    torch.testing.assert_close(scores.flatten(-2), q @ xhat.transpose(-1, -2), rtol=1e-4, atol=1e-4)
+    p = torch.softmax(scores.flatten(-2), -1)
+    out = chain.weighted_sum(p.unflatten(-1, (chunks, -1)), by_chunk, 32, {}, {})
+    torch.testing.assert_close(out, p @ xhat, rtol=1e-4, atol=1e-5)
+
+
+def test_chains_that_must_rebuild_their_tokens_say_so():
+    assert not Chain([T.rotate("pre_rope"), T.quantize("cast")]).scores_stored  # RoPE at each position
+    assert not Chain([T.quantize("higgs", bits=2, dim=2), T.pack()]).sums_stored  # no sum over grid codes
+    assert not Chain([T.quantize(bits=2, axis="token", group=16)]).sums_stored  # unpacked codes
+
+
 def test_pack_takes_width_from_quantizer():
     chain = Chain([T.quantize(bits=3, axis="token", group=32), T.pack()])
     assert chain.transforms[1].config.bits == 3

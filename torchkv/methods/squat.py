@@ -85,7 +85,7 @@ class QuerySubspace(Transform):
     def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
         return q
 
-    def map_output(self, o: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
         return o
 
 

@@ -12,6 +12,9 @@ read, RoPE applied at the true positions. Nothing of K or V is stored for encode
   `[W_k | W_v]`; `X̂_ℓ` is the running accumulator handed from layer to layer. The first `first_layers`
   layers are plain XQuant at `first_bits`, the last of them (for GQA storing X d-wide, spec A8) the base.
 
+Decode attention rebuilds the keys (RoPE must be applied at each position) but sums the values in the latent:
+`Σ_t p_t v̂_t = (Σ_t p_t ẑ_t)·R_h + b_h·Σ_t p_t` (`WeightsProject.map_output`), so no V of the history is formed.
+
 `attention="auto"` picks MHA when `n_kv·head_dim == hidden_size`, else GQA, when the pipeline is specialized
 to a model (`torchkv.patch`, `KVPipeline.for_model`); unspecialized it has the GQA form. Projection bases
 are derived from the model's weights at that point (float16 by default; views of the model's own weights,
@@ -129,6 +132,32 @@ class WeightsProject(Transform):
         if "bias" in ctx.params:
             out = out + ctx.params["bias"].float()
         return out[:, 0].unflatten(-1, (-1, ctx.dim)).transpose(1, 2)
+
+    @property
+    def maps_output(self) -> bool:
+        return not self.config.outliers  # the float16 outlier channels are not part of the summed output
+
+    def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """Latent-space value sums (no V formed): `Σ_t p_t (ẑ_t·R + b) = (Σ_t p_t ẑ_t)·R_h + b_h·Σ_t p_t` per KV head
+        h, o `[B, H, g, r]` -> `[B, H, g, D]`."""
+        up = ctx.params["up"].float().unflatten(-1, (-1, ctx.dim))  # [r, H, D]
+        out = torch.einsum("bhgr,rhd->bhgd", o.float(), up)
+        if "bias" in ctx.params:
+            out = out + total * ctx.params["bias"].float().view(-1, 1, ctx.dim)
+        return out
+
+    def weighted_sum(
+        self, p: torch.Tensor, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context
+    ) -> torch.Tensor:
+        """`Σ_t p_t v_t` from what the chain stores (y `[B, 1, NC, C, r]`) or, source "keys", from the key chain's
+        X̂ `[B, 1, T, d]`: p `[B, H, g, NC, C]` -> `[B, H, g, D]`, summed in the latent before R (or W) maps it."""
+        if self.config.source == "keys":
+            z = ctx.inputs["keys"]
+        else:
+            z = (torch.cat([state["outliers"], y], -1) if self.config.outliers else y).flatten(2, 3)
+        rows = p.flatten(1, 2).flatten(-2)  # [B, H·g, T]: every head's rows read the one latent row per token
+        o = (rows @ z[:, 0].float()).unflatten(1, p.shape[1:3])
+        return self.map_output(o, rows.sum(-1, keepdim=True).unflatten(1, p.shape[1:3]), ctx)
 
 
 def key_outlier_channels(w_k: torch.Tensor, topk: int = 1) -> torch.Tensor:

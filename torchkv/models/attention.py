@@ -172,18 +172,22 @@ def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float 
     return _flex(query, keys, values, spec, scaling, softcap)
 
 
-def _fused_decode(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
-    """One decode step reading the packed codes directly (see `KVPipeline.attend_decode`)."""
+def _compiled_decode(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
+    """One decode step in one compiled graph over the stored form (see `KVPipeline.attend_decode`)."""
     mask = None
     if not spec.causal:  # the causal rule allows every cached token to the newest query
         n_sinks, n_enc = store.n_sinks, store.n_encoded
         dense = spec.dense(1, store.length + 1, query.device)  # absolute order: sinks, encoded, window, new
         mask = torch.cat([dense[..., n_sinks : n_sinks + n_enc], dense[..., :n_sinks], dense[..., n_sinks + n_enc :]], -1)
     k_fp, v_fp = store.full_precision(k_new, v_new)
-    return store.pipeline.attend_decode(
+    if store.pipeline.window is not None:  # a view of a window buffer that grows would put its capacity in guards
+        k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()
+    out, fp_attention, carry = store.pipeline.attend_decode(
         query, store.encoded_by_chunk(), k_fp, v_fp, mask, scaling, softcap, prepared=store.prepared,
-        params=store.params,
+        params=store.params, inputs=store.history_inputs(),
     )
+    store.hand_over(carry)
+    return out, fp_attention
 
 
 def _sparse(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
@@ -239,8 +243,9 @@ def torchkv_attention(
     k_new, v_new = layer.pending
     start = store.length
     commit = (attention_mask.valid(start, start + k_new.shape[2]), kwargs.get("position_ids"), {"queries": query})
-    if query.shape[2] == 1 and store.n_encoded and store.pipeline.fused and not layer.simulated:
-        out, fp_attention = _fused_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
+    compiled = store.pipeline.compile and store.pipeline.selector is None
+    if query.shape[2] == 1 and store.n_encoded and compiled and not layer.simulated:
+        out, fp_attention = _compiled_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
         window = store.pipeline.window
         layer.commit(*commit, attention=fp_attention[None] if window and window.reads_attention else None)
         return out.transpose(1, 2).contiguous(), None

@@ -119,3 +119,29 @@ def affine_weighted_sum(
     partial = (grouped * pg[..., None, None]).sum(-3)  # [B, H, g, NC, C/Gt, P, M]
     out = (partial * _planar(scale, planes, width)[:, :, None]).sum((3, 4)).flatten(-2)[..., :dim]
     return out + (zero[:, :, None] * pg.sum(-1)[..., None]).sum((3, 4))
+
+
+def shared_weighted_sum(
+    p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dim: int
+) -> torch.Tensor:
+    """`p · x̂` for per-token affine codes of one row shared by every KV head (XQuant's value latent).
+
+    Every query row reads all `dim` channels of the same codes, so the sum is a matrix product per channel
+    group: `Σ_t (p_t Δ_tk) c_t[k] + Σ_t p_t m_tk`, which runs as a GEMM over the unpacked codes instead of
+    a broadcast elementwise reduction over H·g copies.
+
+    Args:
+        p: [B, H, g, NC, C] float32. codes: [B, 1, NC, C, P, M] float32 (from `code_planes`).
+        scale, zero: [B, 1, NC, C, K] (K groups of `dim / K` channels); zero None: symmetric codes.
+
+    Returns:
+        [B, H, g, dim] float32.
+    """
+    b, h, g = p.shape[:3]
+    groups = scale.shape[-1]
+    rows = p.flatten(1, 2).flatten(-2)  # [B, R, T], R = H·g
+    c = codes.flatten(-2)[..., :dim].flatten(1, 3).unflatten(-1, (groups, -1))  # [B, T, K, G]
+    weighted = rows[..., None] * scale.float().flatten(1, 3)[:, None]  # [B, R, T, K]
+    out = torch.einsum("brtk,btkj->brkj", weighted, c)
+    offset = torch.einsum("brt,btk->brk", rows, _zero_point(scale, zero, bits).flatten(1, 3))
+    return (out + offset[..., None]).flatten(-2).unflatten(1, (h, g))

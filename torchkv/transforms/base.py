@@ -124,17 +124,28 @@ class Transform:
         raise NotImplementedError
 
     # -- attention over the encoded form (decode), optional ------------------------------------------
+    # A transform may also read its own stored output in decode attention: `scores(q, y, state)` ->
+    # `[B, H, g, NC, C]` and `weighted_sum(p, y, state, ctx)` -> `[B, H, g, F]`, with y its output as stored
+    # (the packed codes when `reads_packed`: it is then followed by a planar pack), viewed by chunk.
     #: a linear map of the features: scores and weighted sums can be computed in the encoded space
     #: through `map_query` / `map_output` (rotations, projections).
     linear: ClassVar[bool] = False
+    #: `scores`/`weighted_sum` read planar-packed codes (the chain must end with a planar pack after it)
+    reads_packed: ClassVar[bool] = False
+
+    @property
+    def maps_output(self) -> bool:
+        """decode is affine in its input, so `map_output` carries weighted sums of encoded rows back."""
+        return self.linear
 
     def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
         """`q': [..., F']` with `q · x = q' · encode(x)` for every x (linear transforms only)."""
         raise NotImplementedError(f"{self.kind}.{self.name} is not linear")
 
-    def map_output(self, o: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """A weighted sum of encoded rows `[..., F']` back to `[..., F]` (linear transforms only)."""
-        raise NotImplementedError(f"{self.kind}.{self.name} is not linear")
+    def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """`Σ_t p_t y_t` `[B, H, g, F']` -> `Σ_t p_t decode(y_t)` `[B, H, g, F]`, with `total` `[B, H, g, 1]`
+        the weights' sum Σ_t p_t (what an affine decode's offset is multiplied by)."""
+        raise NotImplementedError(f"{self.kind}.{self.name} does not map weighted sums back")
 
     def spec(self) -> dict[str, Any]:
         """JSON-serialisable description, what `save_pretrained` writes."""

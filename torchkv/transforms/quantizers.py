@@ -16,7 +16,7 @@ from torchkv.ops import (
     load_grid,
     quantize,
 )
-from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes
+from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes, shared_weighted_sum
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, Transform, TransformConfig
 
@@ -64,6 +64,7 @@ class UniformQuantize(Transform):
     """
 
     Config = UniformConfig
+    reads_packed = True
 
     @property
     def token_multiple(self) -> int:
@@ -114,6 +115,8 @@ class UniformQuantize(Transform):
         """`Σ_t p_t x̂_t` read from planar-packed codes: p [B, H, g, NC, C] -> [B, H, g, F] float32."""
         cfg = self.config
         planes = code_planes(packed, cfg.bits)
+        if cfg.axis == "token" and packed.shape[1] == 1 < p.shape[1]:  # one latent row read by every KV head
+            return shared_weighted_sum(p, planes, state["scale"], state.get("zero"), cfg.bits, ctx.dim)
         return affine_weighted_sum(p, planes, state["scale"], state.get("zero"), cfg.bits, cfg.axis, ctx.dim)
 
 
@@ -210,3 +213,15 @@ class Cast(Transform):
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         return y.float()
+
+    # written as reductions over the stored tensor, so the compiled graph widens each element as it reads it
+
+    def scores(self, q: torch.Tensor, y: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """`q: [B, H, g, F]` against stored rows `y: [B, H, NC, C, F]` -> `[B, H, g, NC, C]` float32."""
+        return (q[:, :, :, None, None] * y[:, :, None].float()).sum(-1)
+
+    def weighted_sum(
+        self, p: torch.Tensor, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context
+    ) -> torch.Tensor:
+        """`Σ_t p_t y_t`: p `[B, H, g, NC, C]`, y `[B, H, NC, C, F]` -> `[B, H, g, F]` float32."""
+        return (p[..., None] * y[:, :, None].float()).sum((3, 4))

@@ -40,7 +40,7 @@ class HadamardRotate(Transform):
     def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
         return hadamard(q.float(), self.config.block)  # q·x = (qH)·(xH), H orthogonal
 
-    def map_output(self, o: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
         return hadamard(o.float(), self.config.block)  # H is its own inverse
 
 
