@@ -69,7 +69,6 @@ def affine_scores(
     Per channel: `Σ_d c_td·(q_d Δ_gd) + Σ_d q_d m_gd`; per token: `Σ_k Δ_tk Σ_{d∈k} q_d c_td + Σ_k m_tk Σ_{d∈k} q_d`.
     """
     b, h, nc, c, planes, width = codes.shape
-    g = q.shape[2]
     zero = _zero_point(scale, zero, bits)
     qp = _planar(q, planes, width)  # [B, H, g, P, M]
     if axis == "channel":
