@@ -1,4 +1,4 @@
-"""Compiled decode attention over packed codes: bounded compilation, no reconstructed history, same outputs."""
+"""Compiled decode attention over the stored form: bounded compilation, no reconstructed history, same outputs."""
 
 import pytest
 import torch
