@@ -13,6 +13,7 @@ import torch
 from torchkv import registry
 from torchkv import window as windows
 from torchkv._compat import own_cache, recompile_headroom
+from torchkv.ops import PLANAR_BITS
 from torchkv.transforms import Context, ProjectionWeights, Transform, build
 
 CONFIG_FILE = "torchkv_config.json"
@@ -85,19 +86,39 @@ class Chain:
         #: the transform whose `scores`/`weighted_sum` read the stored output: the last one, or the one before a
         #: planar pack when it reads packed codes
         self.reader = len(resolved) - 1 - packed
-        reader = resolved[self.reader] if resolved else None
-        readable = reader is not None and getattr(reader, "reads_packed", False) == packed
-        prefix = resolved[: self.reader]
+        #: why decode attention cannot score ("scores") or sum ("sums") the stored form; None where it can
+        self.rebuilds = {use: self._why_rebuilt(use, packed) for use in ("scores", "sums")}
         #: decode attention scores queries against the stored form (linear transforms before the reader)
-        self.scores_stored = readable and hasattr(reader, "scores") and all(t.linear for t in prefix)
+        self.scores_stored = self.rebuilds["scores"] is None
         #: decode attention sums the stored form (transforms before the reader map sums back)
-        self.sums_stored = readable and hasattr(reader, "weighted_sum") and all(t.maps_output for t in prefix)
+        self.sums_stored = self.rebuilds["sums"] is None
         #: index of the first transform after the position-dependent ones (those reading "cos"/"sin") and the
         #: rematerializing ones: its decoded input is the chain's carried reconstruction, what a cross-layer
         #: predictor of the next layer reads: pre-RoPE keys (AQUA-KV), or the cached layer input X̂ (XQuant)
         self.carry_index = max(
             [i + 1 for i, t in enumerate(resolved) if {"cos", "sin"} & t.requires or t.rematerializes] or [0]
         )
+
+    def _why_rebuilt(self, use: str, packed: bool) -> str | None:
+        if not self.transforms:
+            return "the chain is empty"
+        reader = self.transforms[self.reader]
+        if reader.kind == "pack" and len(self.transforms) > 1:
+            return f"{reader!r} is not a planar layout (one width among {PLANAR_BITS}), which decode reductions read"
+        if getattr(reader, "reads_packed", False) != packed:
+            if packed:
+                return f"{reader!r} has no reduction over packed codes"
+            return (f"{reader!r} reads codes in the planar layout, and they are not packed to one of its widths "
+                    f"{PLANAR_BITS} by a pack after it")
+        method, prefix = ("scores", "weighted_sum")[use == "sums"], self.transforms[: self.reader]
+        if not hasattr(reader, method):
+            return f"{reader!r} has no {method} over its stored form"
+        for t in prefix:
+            if not (t.linear if use == "scores" else t.maps_output):
+                return (f"{t!r} is not an affine map of the features shared by every token (it depends on each "
+                        "token's position or on another layer), so the query cannot be mapped through it"
+                        if use == "scores" else f"{t!r} does not map weighted sums of its output back")
+        return None
 
     @property
     def token_multiple(self) -> int:
@@ -126,9 +147,15 @@ class Chain:
         """Scores of `q: [B, H, g, dim]` against the encoded tokens (state viewed by chunk): [B, H, g, NC, C]
         (requires `scores_stored`)."""
         r, dims = self.reader, self.dims(dim)
+        offsets = []
         for i, t in enumerate(self.transforms[:r]):
-            q = t.map_query(q, self._ctx(i, dims[i], params, prepared))
-        return self.transforms[r].scores(q, state["out"], _sub(state, f"{r}."))
+            ctx = self._ctx(i, dims[i], params, prepared)
+            offsets.append(t.score_offset(q, ctx))
+            q = t.map_query(q, ctx)
+        scores = self.transforms[r].scores(q, state["out"], _sub(state, f"{r}."))
+        for offset in filter(lambda o: o is not None, offsets):
+            scores = scores + offset[..., None]  # [B, H, g, 1, 1]
+        return scores
 
     def weighted_sum(
         self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping,
@@ -399,6 +426,35 @@ class KVPipeline:
     def fused(self) -> bool:
         """Compiled decode attention reads both chains' stored forms: no key or value of the history is rebuilt."""
         return self.compile and self.keys.scores_stored and self.values.sums_stored and not self.carries
+
+    def explain(self, num_layers: int | None = None) -> str:
+        """How compiled decode attention reads each layer's history, one line per group of layers read alike:
+        keys scored and values summed from the stored form, or rebuilt every step (and why)."""
+        def reading(pipe: "KVPipeline") -> str:
+            parts = []
+            for side, chain, use, verb in (("keys", pipe.keys, "scores", "scored"), ("values", pipe.values, "sums", "summed")):
+                why = chain.rebuilds[use]
+                if not self.compile:
+                    why = "compile=False runs decode attention eagerly over rebuilt tokens"
+                elif self.carries and side == "keys" and why is None:
+                    why = "the pipeline predicts across layers, and the next layer reads this one's rebuilt keys"
+                parts.append(f"{side} {verb} from the stored form" if why is None else f"{side} rebuilt: {why}")
+            return "; ".join(parts)
+
+        last = max(self.n_first + 1, num_layers or 0)
+        lines: list[tuple[int, int, str]] = []
+        for layer in range(last):
+            text = reading(self.for_layer(layer))
+            if lines and lines[-1][2] == text:
+                lines[-1] = (lines[-1][0], layer, text)
+            else:
+                lines.append((layer, layer, text))
+        first, _, text = lines[-1]
+        lines[-1] = (first, None, text)  # the main chains serve every later layer
+        if len(lines) == 1:
+            return f"every layer: {text}"
+        return "\n".join(f"layer {a}: {t}" if a == b else f"layers {a}-{'' if b is None else b}: {t}"
+                         for a, b, t in lines)
 
     def _attend_decode(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, inputs):
         b, hq, _, d = q.shape

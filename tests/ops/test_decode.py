@@ -5,8 +5,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchkv.ops import dequantize, pack_bits, quantize
-from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes, shared_weighted_sum
+from torchkv.ops import GRIDS, dequantize, load_grid, pack_bits, quantize
+from torchkv.ops.decode import (
+    affine_scores,
+    affine_weighted_sum,
+    code_planes,
+    grid_scores,
+    grid_weighted_sum,
+    shared_weighted_sum,
+)
 from torchkv.pipeline import COMPILE_OPTIONS
 
 
@@ -62,6 +69,33 @@ def test_a_latent_shared_by_every_head_sums_as_its_reconstruction(bits, symmetri
     out = shared_weighted_sum(p.unflatten(-1, (chunks, chunk)), planes, _by_chunk(scale, chunks),
                               None if zero is None else _by_chunk(zero, chunks), bits, dim)
     torch.testing.assert_close(out, torch.einsum("bhgt,btd->bhgd", p, xhat[:, 0]), rtol=1e-4, atol=1e-5)
+
+
+@given(
+    shape=st.sampled_from(GRIDS),
+    dim=st.sampled_from([64, 32, 256]),
+    heads=st.sampled_from([1, 3]),
+    shared_scale=st.booleans(),
+    chunks=st.integers(1, 4),
+    g=st.sampled_from([1, 3]),
+    seed=st.integers(0, 1000),
+)
+def test_grid_codes_score_and_sum_as_the_points_they_index(shape, dim, heads, shared_scale, chunks, g, seed):
+    """Vector codes: `grid_scores`/`grid_weighted_sum` equal products with the rows `m_t·grid[c_t]` rebuilt densely."""
+    d, n = shape
+    gen = torch.Generator().manual_seed(seed)
+    grid = load_grid(n, d)
+    b, chunk = 2, 8
+    codes = torch.randint(0, n, (b, heads, chunks * chunk, dim // d), generator=gen).to(torch.uint8)
+    scale = torch.rand(b, 1 if shared_scale else heads, chunks * chunk, 1, generator=gen)
+    rows = grid[codes.long()].flatten(-2) * scale  # [B, H, T, dim]
+    q = torch.randn(b, heads, g, dim, generator=gen)
+    scores = grid_scores(q, _by_chunk(codes, chunks), _by_chunk(scale, chunks), grid)
+    expected = torch.einsum("bhgd,bhtd->bhgt", q, rows)
+    torch.testing.assert_close(scores.flatten(-2), expected, rtol=1e-4, atol=1e-4)
+    p = torch.softmax(expected, -1)
+    out = grid_weighted_sum(p.unflatten(-1, (chunks, chunk)), _by_chunk(codes, chunks), _by_chunk(scale, chunks), grid)
+    torch.testing.assert_close(out, torch.einsum("bhgt,bhtd->bhgd", p, rows), rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_kernel_equals_eager_with_a_dynamic_chunk_axis():

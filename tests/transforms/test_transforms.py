@@ -1,5 +1,7 @@
 """Every built-in transform: round trip, chunk-concatenation invariant, compile == eager."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
@@ -33,6 +35,7 @@ EXAMPLES = {
     ],
     ("predict", "linear"): [{}, {"sources": ("keys", "previous"), "weight_dtype": "float32"}],
     ("predict", "delta"): [{}],
+    ("predict", "center"): [{}],
     ("project", "weights"): [
         {"basis_dtype": "float32"},
         {"side": "v", "basis": "input"},
@@ -74,7 +77,7 @@ def _params(transform, d) -> dict:
         w_k, w_v = torch.randn(2, X_WIDTH, 3 * d, generator=g) / X_WIDTH**0.5
         transform.fit_weights(0, ProjectionWeights(w_k, w_v, torch.randn(3 * d, generator=g), None))
         return transform.layer_params(0)
-    if transform.kind != "predict":
+    if not transform.needs_fit:
         return {}
     g = torch.Generator().manual_seed(1)
     transform.fit_layer(0, torch.randn(3 * d * len(transform.config.sources), 3 * d, generator=g) / 20,
@@ -91,8 +94,8 @@ def _upstream(transform, batch: int) -> dict:
 
 
 def _prepared(transform, x) -> dict:
-    """What `prepare` gives a transform whose encoding reads it (the prompt's SVD basis)."""
-    return transform.prepare(x, Context(dim=x.shape[-1])) if "basis" in transform.prepares else {}
+    """What `prepare` gives a transform whose encoding reads it (the prompt's SVD basis, its channel medians)."""
+    return transform.prepare(x, Context(dim=x.shape[-1])) if {"basis", "center"} & transform.prepares else {}
 
 
 def _consistent(transform, x, ctx):
@@ -189,6 +192,10 @@ READ_STORED = {
     "uniform-token": lambda: [T.quantize(bits=4, axis="token", group=16), T.pack()],
     "uniform-channel-after-hadamard": lambda: [T.rotate("hadamard"), T.quantize(bits=2, axis="channel", group=8),
                                                T.pack()],
+    "higgs-4d": lambda: [T.quantize("higgs", bits=2, dim=4), T.pack()],
+    "higgs-4bit-centred": lambda: [T.predict("center"), T.quantize("higgs", bits=4, dim=2), T.pack()],
+    "higgs-token-span-centred-after-hadamard": lambda: [
+        T.rotate("hadamard", block=16), T.predict("center"), T.quantize("higgs", bits=2, dim=2, span="token"), T.pack()],
 }
 
 
@@ -198,22 +205,30 @@ def test_scores_and_sums_read_from_the_stored_form_equal_the_reconstructions(cha
     chain = Chain(chain())
     assert chain.scores_stored and chain.sums_stored
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 3, 8 * chunks, 32, generator=g)
-    state = chain.encode(x, {}, {}, None, {})
-    xhat = chain.decode(state, 32, {}, {}, {})
+    x = torch.randn(2, 3, 8 * chunks, 32, generator=g) + 4 * torch.randn(32, generator=g)  # per-channel offsets
+    prepared = chain.prepare(x, {}, None, {}) if chain.needs_prepare else {}
+    state = chain.encode(x, {}, prepared, None, {})
+    xhat = chain.decode(state, 32, {}, prepared, {})
     by_chunk = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}
     q = torch.randn(2, 3, 4, 32, generator=g)
-    scores = chain.scores(q, by_chunk, 32, {}, {})
+    scores = chain.scores(q, by_chunk, 32, {}, prepared)
     torch.testing.assert_close(scores.flatten(-2), q @ xhat.transpose(-1, -2), rtol=1e-4, atol=1e-4)
     p = torch.softmax(scores.flatten(-2), -1)
-    out = chain.weighted_sum(p.unflatten(-1, (chunks, -1)), by_chunk, 32, {}, {})
+    out = chain.weighted_sum(p.unflatten(-1, (chunks, -1)), by_chunk, 32, {}, prepared)
     torch.testing.assert_close(out, p @ xhat, rtol=1e-4, atol=1e-5)
 
 
-def test_chains_that_must_rebuild_their_tokens_say_so():
-    assert not Chain([T.rotate("pre_rope"), T.quantize("cast")]).scores_stored  # RoPE at each position
-    assert not Chain([T.quantize("higgs", bits=2, dim=2), T.pack()]).sums_stored  # no sum over grid codes
-    assert not Chain([T.quantize(bits=2, axis="token", group=16)]).sums_stored  # unpacked codes
+@pytest.mark.parametrize("transforms,use,reason", [
+    ([T.rotate("pre_rope"), T.quantize("cast")], "scores", "rotate.pre_rope.* is not an affine map"),  # RoPE per position
+    ([T.quantize("higgs", bits=3, dim=2), T.pack()], "sums", r"pack.bits\(bits=6\) is not a planar layout"),  # 6-bit words
+    ([T.quantize(bits=2, axis="token", group=16)], "sums", "not packed to one of its widths"),  # unpacked codes
+    ([T.quantize("schedule", bits=(4, 2), group=8), T.pack()], "scores", "is not a planar layout"),
+    ([T.quantize("cast"), T.pack(bits=8)], "scores", "has no reduction over packed codes"),
+])
+def test_chains_that_must_rebuild_their_tokens_say_why(transforms, use, reason):
+    chain = Chain(transforms)
+    assert not (chain.scores_stored if use == "scores" else chain.sums_stored)
+    assert re.search(reason, chain.rebuilds[use])
 
 
 def test_pack_takes_width_from_quantizer():

@@ -4,13 +4,15 @@ from torchkv.ops.hadamard import hadamard, hadamard_block
 from torchkv.ops.higgs import GRIDS, higgs_dequantize, higgs_quantize, lloyd_grid, load_grid, nearest
 from torchkv.ops.linalg import masked_pca, ridge, ridge_from_moments, ridge_streamed, weight_factors
 from torchkv.ops.pack import PACK_BITS, PLANAR_BITS, pack_bits, packed_size, unpack_bits, unpack_planes
-from torchkv.ops.quantize import SUPPORTED_BITS, dequantize, quantize
+from torchkv.ops.quantize import GAUSSIAN_STEP, STEPS, SUPPORTED_BITS, dequantize, quantize
 from torchkv.ops.rope import apply_rope
 
 __all__ = [
+    "GAUSSIAN_STEP",
     "GRIDS",
     "PACK_BITS",
     "PLANAR_BITS",
+    "STEPS",
     "SUPPORTED_BITS",
     "apply_rope",
     "dequantize",

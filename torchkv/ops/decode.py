@@ -11,6 +11,7 @@ shift-and-mask of contiguous bytes. Encoded tensors arrive viewed by chunk, `[B,
 """
 
 import torch
+import torch.nn.functional as F
 
 from torchkv.ops.pack import unpack_planes
 
@@ -144,3 +145,45 @@ def shared_weighted_sum(
     out = torch.einsum("brtk,btkj->brkj", weighted, c)
     offset = torch.einsum("brt,btk->brk", rows, _zero_point(scale, zero, bits).flatten(1, 3))
     return (out + offset[..., None]).flatten(-2).unflatten(1, (h, g))
+
+
+def grid_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """`q · x̂ᵀ` for vector-quantized rows `x̂_t = m_t · [grid[c_t1], ..., grid[c_tK]]`, without forming x̂.
+
+    A per-step table of every sub-vector's dot product with every grid point, `L[g, k, j] = q_k · grid_j`
+    `[B, H, g, K, n]`, turns each score into K look-ups: `q·x̂_t = m_t Σ_k L[g, k, c_tk]`, one `embedding_bag`
+    (sum of K table rows per token, each row holding the g query heads' terms). Measured on CPU at 4K tokens:
+    half the time of looking up the grid points inside a compiled dot product.
+
+    Args:
+        q: [B, H, g, K·d] float32, in the quantizer's normalized domain (rotated by its Hadamard blocks).
+        codes: [B, H, NC, C, K] integer grid indices.
+        scale: [B, H or 1, NC, C, 1] float, each row's multiplier m_t.
+        grid: [n, d] float32.
+
+    Returns:
+        [B, H, g, NC, C] float32.
+    """
+    b, h, nc, c, k = codes.shape
+    n, g = grid.shape[0], q.shape[2]
+    table = q.unflatten(-1, (k, -1)) @ grid.T  # [B, H, g, K, n]
+    table = table.permute(0, 1, 3, 4, 2).reshape(b * h * k * n, g)  # row (b, h, k, j): the g heads' q_k · grid_j
+    first = torch.arange(b * h * k, device=codes.device, dtype=torch.int32).view(b * h, 1, k) * n
+    rows = codes.reshape(b * h, nc * c, k).int() + first  # [B·H, T, K] rows of the table
+    scores = F.embedding_bag(rows.flatten(0, 1), table, mode="sum")  # [B·H·T, g]
+    return scores.view(b, h, nc, c, g).permute(0, 1, 4, 2, 3) * scale.float()[:, :, None, ..., 0]
+
+
+def grid_weighted_sum(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """`Σ_t p_t x̂_t` for vector-quantized rows (as in `grid_scores`), in the normalized domain.
+
+    Args:
+        p: [B, H, g, NC, C] float32 attention probabilities.
+        codes, scale, grid: as in `grid_scores`.
+
+    Returns:
+        [B, H, g, K·d] float32.
+    """
+    weights = p * scale.float()[:, :, None, ..., 0]  # [B, H, g, NC, C]
+    points = grid[codes.long()]  # [B, H, NC, C, K, d]
+    return (weights[..., None, None] * points[:, :, None]).sum((3, 4)).flatten(-2)

@@ -11,6 +11,12 @@ The two KV layouts are groups along one axis of `x: [..., T, D]`:
 import torch
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+#: how a group's step Δ is chosen: "range" covers its values (min-max, or absmax when symmetric); "gaussian"
+#: is the MSE-optimal uniform step for normal values, `Δ = κ_b·rms` (symmetric; values beyond clip)
+STEPS = ("range", "gaussian")
+#: κ_b = Δ/σ of the MSE-optimal symmetric uniform quantizer with 2^b levels for N(0, σ²) (Max 1960, Table II),
+#: for groups made near-Gaussian by a rotation (Hadamard): the scalar analogue of HIGGS' norm-scaled grids
+GAUSSIAN_STEP = {1: 1.59577, 2: 0.99568, 3: 0.58602, 4: 0.33520, 5: 0.18814, 6: 0.10406, 7: 0.05687, 8: 0.03076}
 
 
 def _check_quantize_args(x: torch.Tensor, bits: int, dim: int, group: int) -> int:
@@ -65,6 +71,7 @@ def quantize(
     symmetric: bool = False,
     meta_dtype: torch.dtype = torch.float16,
     valid: torch.Tensor | None = None,
+    step: str = "range",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest uniform quantization of groups of `group` elements along `dim`.
 
@@ -77,6 +84,8 @@ def quantize(
         meta_dtype: dtype of the stored scale and zero point.
         valid: bool, broadcastable to x; elements where False (padding) stay out of the group
             statistics and are clamped into the group's range. A group with no valid element is all 0.
+        step: "range" or "gaussian" (symmetric only): `Δ = κ_b·sqrt(mean x²)` over the group (`GAUSSIAN_STEP`),
+            codes clamped to the 2^b levels, so every value takes its nearest level.
 
     Returns:
         codes: same shape as x, uint8 in [0, 2^b - 1].
@@ -92,19 +101,28 @@ def quantize(
     qmax = 2**bits - 1
     xg = _grouped(x.float(), dim, group)  # [..., n/G, G, ...]
     vg = None if valid is None else _grouped(valid.expand(x.shape), dim, group)
-    if symmetric:
+    if step not in STEPS or (step == "gaussian" and not symmetric):
+        raise ValueError(f"step={step!r} is not supported; allowed: {STEPS} ('gaussian' with symmetric=True)")
+    if symmetric and step == "gaussian":
+        square = xg.square() if vg is None else torch.where(vg, xg.square(), 0.0)
+        count = xg.shape[dim + 1] if vg is None else vg.sum(dim + 1, keepdim=True).clamp_min(1)
+        scale = (square.sum(dim + 1, keepdim=True) / count).sqrt().mul(GAUSSIAN_STEP[bits]).to(meta_dtype)
+        step_ = scale.float()
+        scaled = torch.where(step_ > 0, xg / step_, torch.zeros_like(xg)) + qmax / 2
+        zero = None
+    elif symmetric:
         absmax = _masked_reduce(xg.abs(), vg, dim + 1, torch.amax, 0.0)
         scale = _round_toward(absmax * (2.0 / qmax), meta_dtype, down=False)
-        step = scale.float()
-        scaled = torch.where(step > 0, xg / step, torch.zeros_like(xg)) + qmax / 2
+        step_ = scale.float()
+        scaled = torch.where(step_ > 0, xg / step_, torch.zeros_like(xg)) + qmax / 2
         zero = None
     else:
         lo = _masked_reduce(xg, vg, dim + 1, torch.amin, float("inf"))
         hi = _masked_reduce(xg, vg, dim + 1, torch.amax, float("-inf"))
         zero = _round_toward(lo, meta_dtype, down=True)
         scale = _round_toward((hi - zero.float()) / qmax, meta_dtype, down=False)
-        step = scale.float()
-        scaled = torch.where(step > 0, (xg - zero.float()) / step, torch.zeros_like(xg))
+        step_ = scale.float()
+        scaled = torch.where(step_ > 0, (xg - zero.float()) / step_, torch.zeros_like(xg))
         zero = zero.squeeze(dim + 1)
     codes = torch.round(scaled).clamp_(0, qmax)
     codes = codes.to(torch.uint8).flatten(dim, dim + 1)

@@ -127,8 +127,9 @@ class Transform:
     # A transform may also read its own stored output in decode attention: `scores(q, y, state)` ->
     # `[B, H, g, NC, C]` and `weighted_sum(p, y, state, ctx)` -> `[B, H, g, F]`, with y its output as stored
     # (the packed codes when `reads_packed`: it is then followed by a planar pack), viewed by chunk.
-    #: a linear map of the features: scores and weighted sums can be computed in the encoded space
-    #: through `map_query` / `map_output` (rotations, projections).
+    #: a linear map of the features, or an affine one whose offset is per-sequence state (`score_offset`):
+    #: scores and weighted sums can be computed in the encoded space through `map_query` / `map_output`
+    #: (rotations, projections, centring).
     linear: ClassVar[bool] = False
     #: `scores`/`weighted_sum` read planar-packed codes (the chain must end with a planar pack after it)
     reads_packed: ClassVar[bool] = False
@@ -141,6 +142,10 @@ class Transform:
     def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
         """`q': [..., F']` with `q · x = q' · encode(x)` for every x (linear transforms only)."""
         raise NotImplementedError(f"{self.kind}.{self.name} is not linear")
+
+    def score_offset(self, q: torch.Tensor, ctx: Context) -> torch.Tensor | None:
+        """`[B, H, g, 1]` with `q · x = map_query(q) · encode(x) + offset` for every x; None for a linear map."""
+        return None
 
     def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
         """`Σ_t p_t y_t` `[B, H, g, F']` -> `Σ_t p_t decode(y_t)` `[B, H, g, F]`, with `total` `[B, H, g, 1]`

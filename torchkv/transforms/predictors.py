@@ -127,3 +127,42 @@ class DeltaPredict(Transform):
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         delta = y.float() @ ctx.params["basis"].float().T if self.config.subspace else y.float()
         return delta + ctx.inputs["previous"].float() if "previous" in ctx.inputs else delta
+
+
+@register_transform("predict", "center")
+class Center(Transform):
+    """Predict every token by its channels' medians over the prompt, and keep the residual `x − μ`.
+
+    Keys of models that normalize them (`k_norm`: Gemma 3, Qwen3, OLMo 2) carry large per-channel offsets,
+    on which a per-token code (HIGGS' one norm per row) would spend its bits; the prompt's median (robust to
+    attention-sink tokens) removes them at no stored cost.
+
+    prepare: `x: [B, H, T, F]` -> "center" `[B, H, 1, F]` float32 (pads excluded).
+    encode: `x − μ`; decode: `y + μ`. Decode attention reads the residual's stored form: `q·x = q·(x − μ) + q·μ`
+    (`score_offset`) and `Σ_t p_t x_t = Σ_t p_t (x_t − μ) + μ·Σ_t p_t`.
+    """
+
+    needs_prepare = True
+    prepares = frozenset({"center"})
+    linear = True
+
+    def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
+        x = x.float()
+        if ctx.valid is not None:
+            x = x.masked_fill(~ctx.valid[:, None, :, None], float("nan"))
+        return {"center": x.nanmedian(2, keepdim=True).values.nan_to_num(0.0)}
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return x.float() - ctx.prepared["center"], {}
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        return y.float() + ctx.prepared["center"]
+
+    def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return q
+
+    def score_offset(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return (q * ctx.prepared["center"]).sum(-1, keepdim=True)  # [B, H, g, 1]
+
+    def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return o + total * ctx.prepared["center"]

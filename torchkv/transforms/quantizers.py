@@ -1,6 +1,7 @@
 """Quantize transforms: uniform affine (per-token / per-channel groups), HIGGS vector quantization and plain
 dtype casts."""
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -8,21 +9,32 @@ import torch
 
 from torchkv.ops import (
     GRIDS,
+    STEPS,
     SUPPORTED_BITS,
     dequantize,
+    hadamard,
     hadamard_block,
     higgs_dequantize,
     higgs_quantize,
     load_grid,
     quantize,
+    unpack_bits,
 )
-from torchkv.ops.decode import affine_scores, affine_weighted_sum, code_planes, shared_weighted_sum
+from torchkv.ops.decode import (
+    affine_scores,
+    affine_weighted_sum,
+    code_planes,
+    grid_scores,
+    grid_weighted_sum,
+    shared_weighted_sum,
+)
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, Transform, TransformConfig
 
 AXES = ("token", "channel")
 SPANS = ("head", "token")
-META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+               "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 CAST_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -35,13 +47,15 @@ CAST_DTYPES = {
 @dataclass(frozen=True, kw_only=True)
 class UniformConfig(TransformConfig):
     """bits: code width; axis: "token" (groups of channels) or "channel" (groups of tokens);
-    group: elements per group; symmetric: no zero point; meta_dtype: dtype of scale/zero."""
+    group: elements per group; symmetric: no zero point; meta_dtype: dtype of scale/zero; step: "range"
+    (the group's values fit its levels) or "gaussian" (symmetric: the MSE-optimal step for rotated groups)."""
 
     bits: int
     axis: str = "token"
     group: int = 32
     symmetric: bool = False
     meta_dtype: str = "float16"
+    step: str = "range"
 
     def __post_init__(self):
         if self.bits not in SUPPORTED_BITS:
@@ -52,6 +66,8 @@ class UniformConfig(TransformConfig):
             raise ValueError(f"quantize.uniform group={self.group} must be a positive integer")
         if self.meta_dtype not in META_DTYPES:
             raise ValueError(f"quantize.uniform meta_dtype={self.meta_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        if self.step not in STEPS or (self.step == "gaussian" and not self.symmetric):
+            raise ValueError(f"quantize.uniform step={self.step!r}; allowed: {STEPS} ('gaussian' needs symmetric=True)")
 
 
 @register_transform("quantize", "uniform")
@@ -87,7 +103,7 @@ class UniformQuantize(Transform):
         if cfg.axis == "channel" and ctx.valid is not None:
             valid = ctx.valid[:, None, :, None]  # [B, 1, T, 1]
         codes, scale, zero = quantize(
-            x, cfg.bits, self._dim(), cfg.group, cfg.symmetric, META_DTYPES[cfg.meta_dtype], valid
+            x, cfg.bits, self._dim(), cfg.group, cfg.symmetric, META_DTYPES[cfg.meta_dtype], valid, cfg.step
         )
         state = {"scale": scale} if zero is None else {"scale": scale, "zero": zero}
         return codes, state
@@ -151,9 +167,13 @@ class HiggsQuantize(Transform):
     encode: `x: [B, H, T, F]` -> codes `[B, H, T, F/d]` uint8, state scale `[B, H, T, 1]` (span="head") or
     `[B, 1, T, 1]` (span="token": the H·F features of a token form one row, Hadamard blocks stay within a
     head). Data-free: no calibration; relative MSE ≈ the grid's Gaussian MSE for non-adversarial rows.
+
+    Decode attention reads the packed codes (`x̂ = H(ĉ)·s/√F`, H symmetric orthogonal): `q·x̂ = (s/√F)·(qH)·ĉ`
+    with the query rotated once per step, and `Σ_t p_t x̂_t = H(Σ_t p_t (s_t/√F) ĉ_t)` rotated back once.
     """
 
     Config = HiggsConfig
+    reads_packed = True
 
     def __init__(self, **config):
         super().__init__(**config)
@@ -180,7 +200,7 @@ class HiggsQuantize(Transform):
         rows = x.transpose(1, 2).flatten(2)  # [B, T, H·F]
         codes, scale = higgs_quantize(rows, self.grid, block, scale_dtype=dtype)
         codes = codes.unflatten(-1, (h, f // cfg.dim)).transpose(1, 2)  # [B, T, H·F/d] -> [B, H, T, F/d]
-        return codes, {"scale": scale[:, None]}  # [B, 1, T, 1]
+        return codes.contiguous(), {"scale": scale[:, None]}  # [B, 1, T, 1]; contiguous like every stored chunk
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         block = hadamard_block(ctx.dim)
@@ -189,6 +209,32 @@ class HiggsQuantize(Transform):
         h = y.shape[1]
         rows = higgs_dequantize(y.transpose(1, 2).flatten(2), state["scale"][:, 0], self.grid, block)  # [B, T, H·F]
         return rows.unflatten(-1, (h, ctx.dim)).transpose(1, 2)  # [B, H, T, F]
+
+    def _stored(self, packed: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int):
+        """Grid indices `[B, H, NC, C, F/d]` and each row's multiplier `s/√(row size)` `[B, H or 1, NC, C, 1]`."""
+        codes = unpack_bits(packed, self.code_bits, dim // self.config.dim)
+        row = dim if self.config.span == "head" else packed.shape[1] * dim
+        return codes, state["scale"].float() / math.sqrt(row)
+
+    def scores(self, q: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Decode attention scores read from packed grid codes.
+
+        Args:
+            q: [B, H, g, F] float32. packed: [B, H, NC, C, M] uint8; state viewed by chunk likewise.
+
+        Returns:
+            [B, H, g, NC, C] float32.
+        """
+        f = q.shape[-1]
+        codes, scale = self._stored(packed, state, f)
+        return grid_scores(hadamard(q, hadamard_block(f)), codes, scale, self.grid.to(q.device))
+
+    def weighted_sum(
+        self, p: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context
+    ) -> torch.Tensor:
+        """`Σ_t p_t x̂_t` read from packed grid codes: p [B, H, g, NC, C] -> [B, H, g, F] float32."""
+        codes, scale = self._stored(packed, state, ctx.dim)
+        return hadamard(grid_weighted_sum(p, codes, scale, self.grid.to(p.device)), hadamard_block(ctx.dim))
 
 
 @dataclass(frozen=True, kw_only=True)
