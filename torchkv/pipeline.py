@@ -153,7 +153,7 @@ class Chain:
             offsets.append(t.score_offset(q, ctx))
             q = t.map_query(q, ctx)
         scores = self.transforms[r].scores(q, state["out"], _sub(state, f"{r}."))
-        for offset in filter(lambda o: o is not None, offsets):
+        for offset in [o for o in offsets if o is not None]:
             scores = scores + offset[..., None]  # [B, H, g, 1, 1]
         return scores
 
@@ -432,10 +432,13 @@ class KVPipeline:
         keys scored and values summed from the stored form, or rebuilt every step (and why)."""
         def reading(pipe: "KVPipeline") -> str:
             parts = []
-            for side, chain, use, verb in (("keys", pipe.keys, "scores", "scored"), ("values", pipe.values, "sums", "summed")):
+            sides = (("keys", pipe.keys, "scores", "scored"), ("values", pipe.values, "sums", "summed"))
+            for side, chain, use, verb in sides:
                 why = chain.rebuilds[use]
                 if not self.compile:
                     why = "compile=False runs decode attention eagerly over rebuilt tokens"
+                elif self.selector is not None:
+                    why = "sparse attention gathers the chunks it selects and rebuilds them"
                 elif self.carries and side == "keys" and why is None:
                     why = "the pipeline predicts across layers, and the next layer reads this one's rebuilt keys"
                 parts.append(f"{side} {verb} from the stored form" if why is None else f"{side} rebuilt: {why}")

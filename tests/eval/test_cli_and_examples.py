@@ -72,6 +72,17 @@ def test_evaluate_example(tmp_path):
 
 
 @pytest.mark.model
+def test_frontier_example():
+    done = _run("examples/frontier.py", "--tokens", "384", "--max-new-tokens", "4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "every layer: keys scored from the stored form; values summed from the stored form" in done.stdout
+    ppl = {name: float(v) for name, v in re.findall(r"^(\S+): perplexity ([\d.]+)$", done.stdout, re.M)}
+    assert set(ppl) == {"dynamic", "kivi-2bit", "frontier-2.5bit"}, done.stdout
+    assert ppl["frontier-2.5bit"] < ppl["kivi-2bit"]
+    assert "frontier-2.5bit continues:" in done.stdout
+
+
+@pytest.mark.model
 def test_squat_example():
     done = _run("examples/squat.py", "--tokens", "384", "--max-new-tokens", "4")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,7 +9,7 @@ import torch
 from torchkv.eval import runner
 from torchkv.eval.data import SPLITS, documents, split_articles
 from torchkv.eval.perplexity import perplexity
-from torchkv.eval.report import markdown_table, plots
+from torchkv.eval.report import markdown_table, pareto_points, plots
 from torchkv.eval.retrieval import cases, retrieval
 from torchkv.eval.rows import cache_nbytes, method
 from torchkv.eval.runner import EvalSettings, run_eval
@@ -117,8 +117,9 @@ def test_run_eval_writes_rows_as_they_finish(tmp_path, monkeypatch):
     assert saved["meta"]["machine"]["cpu_count"] and saved["meta"]["torch"] and saved["meta"]["settings"]["seed"] == 0
     table = markdown_table(saved)
     assert "| kivi-4bit |" in table and "(+" in table
+    assert "Pareto" in table and "| kivi-4bit |" in table.split("Pareto")[1]
     written = plots(saved, tmp_path)
-    assert {p.name for p in written} == {"ppl_vs_bits.png", "decode_speed.png"}
+    assert {p.name for p in written} == {"ppl_vs_bits.png", "decode_speed.png", "pareto.png"}
     assert all(p.stat().st_size > 10_000 for p in written)
 
 
@@ -131,3 +132,22 @@ def test_bad_requests_are_refused_before_work():
         run_eval("gpt-5", ["kivi-4bit"], EvalSettings(), None, progress=False)
     with pytest.raises(ValueError, match="context 16384 exceeds smollm2-135m's limit of 8192"):
         run_eval("smollm2-135m", ["kivi-4bit"], EvalSettings(ppl_docs={16384: 1}), None, progress=False)
+
+
+def _row(name, bits, increase, speed):
+    tokens = 100
+    return {"name": name, "kind": "torchkv", "ppl": {"streaming": {"2048": 10 * (1 + increase / 100)}},
+            "generation": [{"context": tokens, "batch": 1, "new_tokens": 1, "decode_tokens_per_s": speed,
+                            "cache_bytes": bits * tokens / 8}]}
+
+
+def test_pareto_marks_frontiers_and_rows_ahead_on_both():
+    rows = [_row("dynamic", 16, 0, 10), _row("a", 2, 5, 12), _row("b", 3, 1, 9), _row("c", 3, 4, 8),
+            _row("d", 4, 0.5, 15)]
+    results = {"meta": {"reference": "dynamic", "values_per_token": 1}, "rows": rows}
+    points = {p["name"]: p for p in pareto_points(results)}
+    assert set(points) == {"a", "b", "c", "d"}
+    assert [n for n, p in points.items() if p["quality_frontier"]] == ["a", "b", "d"]
+    assert [n for n, p in points.items() if p["speed_frontier"]] == ["a", "d"]
+    assert points["c"]["dominated_by"] == ["b"] and points["b"]["dominated_by"] == []
+    assert abs(points["a"]["bits"] - 2) < 1e-9 and abs(points["d"]["decode_ratio"] - 1.5) < 1e-9

@@ -15,8 +15,9 @@ from torchkv.testing import tiny_model
     "preset,layers,options",
     [("kivi-4bit", 2, {"group": 16}),  # fused decode attention over packed codes
      ("xquant-cl-2bit", 4, {"group": 16, "token_group": 32, "first_layers": 2}),  # rematerialized, cross-layer
-     ("svdq-1.25bit", 2, {"group": 16, "residual": 0})],  # prompt-only window: full precision grows
-    ids=["kivi-4bit", "xquant-cl-2bit", "svdq-1.25bit"],
+     ("svdq-1.25bit", 2, {"group": 16, "residual": 0}),  # prompt-only window: full precision grows
+     ("frontier-2.5bit", 3, {"wide_layers": 1})],  # look-up-table scores, sinks, a wider first layer
+    ids=["kivi-4bit", "xquant-cl-2bit", "svdq-1.25bit", "frontier-2.5bit"],
 )
 def test_graph_count_does_not_grow_with_generation_length(preset, layers, options):
     model = tiny_model("llama", layers=layers)
@@ -62,6 +63,8 @@ COMPILED_DECODE = {
     "kivi-4bit-sinks": (_preset("kivi-4bit", sinks=4), True),
     "hadamard-mixed": (_hadamard_mixed, True),
     "float16-window": (_cast_chains, True),
+    "frontier-2bit": (_preset("frontier-2bit"), True),
+    "frontier-2.5bit": (_preset("frontier-2.5bit"), True),
     "xquant-2bit": (_preset("xquant-2bit"), False),
     "xquant-cl-2bit": (_preset("xquant-cl-2bit"), False),
     "svdq-1.25bit-v4": (_preset("svdq-1.25bit-v4"), False),

@@ -98,7 +98,83 @@ def markdown_table(results: dict) -> str:
         "row. bits/value (cache): all cache bytes (windows, metadata) per cached value at the generation context; "
         "(encoded): compressed tokens only.",
     ]
+    if pareto_points(results):
+        lines += ["", "Pareto (`pareto.png`): a row is on a frontier when no row with as few bits or fewer beats it "
+                  "there; the last column lists rows ahead of it on quality and speed at once with as few bits "
+                  "or fewer.", "", pareto_table(results)]
     return "\n".join(lines)
+
+
+def pareto_points(results: dict) -> list[dict]:
+    """Every compressed row as a point: cache bits per value, perplexity increase (streaming, first context) and
+    decode speed as a ratio to the reference (first speed context); `quality_frontier` / `speed_frontier`: no
+    other row has as few bits or fewer and a lower increase (a higher speed); `dominated_by`: rows with as
+    few bits or fewer that are ahead on quality and speed at once."""
+    ref = _reference(results)
+    if not ref or not ref.get("ppl") or not ref.get("generation"):
+        return []
+    ctx = next(iter(ref["ppl"]["streaming"]))
+    ref_speed = ref["generation"][0]["decode_tokens_per_s"]
+    points = []
+    for row in results["rows"]:
+        bits, value = cache_bits(results, row), row.get("ppl", {}).get("streaming", {}).get(ctx)
+        if row is ref or bits is None or value is None:
+            continue
+        increase = 100 * (value / ref["ppl"]["streaming"][ctx] - 1)
+        points.append({"name": row["name"], "bits": bits, "ppl_increase": increase,
+                       "decode_ratio": row["generation"][0]["decode_tokens_per_s"] / ref_speed})
+    for p in points:
+        fewer = [o for o in points if o is not p and o["bits"] <= p["bits"]]
+        p["quality_frontier"] = all(o["ppl_increase"] >= p["ppl_increase"] for o in fewer)
+        p["speed_frontier"] = all(o["decode_ratio"] <= p["decode_ratio"] for o in fewer)
+        p["dominated_by"] = [o["name"] for o in fewer
+                             if o["ppl_increase"] < p["ppl_increase"] and o["decode_ratio"] > p["decode_ratio"]]
+    return points
+
+
+def pareto_table(results: dict) -> str:
+    """`pareto_points` as Markdown, fewest bits first."""
+    points = sorted(pareto_points(results), key=lambda p: p["bits"])
+    lines = ["| row | cache bits/value | ppl increase % | decode vs DynamicCache | quality frontier | speed frontier | "
+             "ahead on both at ≤ bits |", "|---|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['name']} | {p['bits']:.2f} | {p['ppl_increase']:+.2f} | {p['decode_ratio']:.2f}x | "
+                     f"{'yes' if p['quality_frontier'] else ''} | {'yes' if p['speed_frontier'] else ''} | "
+                     f"{', '.join(p['dominated_by']) or '–'} |")
+    return "\n".join(lines)
+
+
+def _pareto_plot(results: dict, out_dir: Path, plt) -> Path | None:
+    """Two panels against cache bits per value: perplexity increase, and decode speed; frontiers drawn."""
+    points = pareto_points(results)
+    if not points:
+        return None
+    meta, ref = results["meta"], _reference(results)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key, frontier, label in (
+        (axes[0], "ppl_increase", "quality_frontier", f"perplexity increase, % ({next(iter(ref['ppl']['streaming']))}"
+                                                      "-token documents, streaming)"),
+        (axes[1], "decode_ratio", "speed_frontier", f"decode speed / DynamicCache ({ref['generation'][0]['context']} "
+                                                    "tokens, batch 1)"),
+    ):
+        for p in points:
+            on = p[frontier]
+            ax.scatter(p["bits"], p[key], s=60 if on else 30, marker="D" if p["name"].startswith("frontier") else "o",
+                       color="tab:red" if on else "tab:gray", zorder=3)
+            ax.annotate(p["name"], (p["bits"], p[key]), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        line = sorted((p["bits"], p[key]) for p in points if p[frontier])
+        ax.step(*zip(*line), where="post", color="tab:red", alpha=0.6, label="frontier")
+        ax.set_xlabel("measured cache bits per value (windows and metadata included)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("symlog", linthresh=1.0)
+    fig.suptitle(f"Quality, memory and speed — {meta['model']} ({meta['machine']['cpu_count']} CPU cores), one run")
+    fig.tight_layout()
+    path = out_dir / "pareto.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plots(results: dict, out_dir: str | Path) -> list[Path]:
@@ -156,4 +232,5 @@ def plots(results: dict, out_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=120)
         written.append(path)
     plt.close(fig)
-    return written
+    pareto = _pareto_plot(results, out_dir, plt)
+    return written + ([pareto] if pareto else [])

@@ -4,7 +4,7 @@ Keys are stored after RoPE, so decode attention scores their codes directly inst
 position's key: a key chunk is centred by its channels' medians over the prompt (`predict.center`) and
 vector-quantized with HIGGS (Hadamard rotation, one norm per row, nearest point of a 4-D Gaussian grid:
 AQUA-KV §3.3), scored through a per-step look-up table. Values are Hadamard-rotated and quantized per token
-with the MSE-optimal uniform step for Gaussian groups (`step="gaussian"`), summed from their codes in the
+and head with the MSE-optimal uniform step for Gaussian rows (`step="gaussian"`), summed from their codes in the
 rotated domain and rotated back once per step. The first `sinks` tokens and a `residual` window stay in full
 precision, and the first `wide_layers` layers are stored at `wide_bits` (as AQUA-KV and XQuant-CL widen their
 first layers). The measurements behind each choice are in `benchmarks/results/frontier/`.
@@ -30,7 +30,7 @@ def _keys(bits: int, dim: int, span: str, center: bool, scale_dtype: str) -> lis
 def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str) -> list:
     if kind == "higgs":  # the ablation: values in HIGGS codes as well
         return _keys(bits, dim, span, False, scale_dtype)
-    uniform = T.quantize(bits=bits, axis="token", group=64, symmetric=True, step="gaussian", meta_dtype=scale_dtype)
+    uniform = T.quantize(bits=bits, axis="token", group=None, symmetric=True, step="gaussian", meta_dtype=scale_dtype)
     return [T.rotate("hadamard"), uniform, T.pack()]
 
 
@@ -40,8 +40,8 @@ def frontier(
     chunk: int = 32,
 ) -> KVPipeline:
     """Keys: centred post-RoPE HIGGS at `bits` on the `dim`-D grid, one norm per `span` ("head": a KV head's
-    features of a token; "token": all its KV heads); values: `values` "uniform" (Hadamard, Gaussian-step per
-    token, groups of 64) or "higgs"; scales stored in `scale_dtype`."""
+    features of a token; "token": all its KV heads); values: `values` "uniform" (Hadamard, then a Gaussian-step
+    scale per token and head) or "higgs"; scales stored in `scale_dtype`."""
     if values not in VALUES:
         raise ValueError(f"frontier values={values!r}; allowed: {VALUES}")
 

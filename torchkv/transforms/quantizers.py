@@ -47,12 +47,13 @@ CAST_DTYPES = {
 @dataclass(frozen=True, kw_only=True)
 class UniformConfig(TransformConfig):
     """bits: code width; axis: "token" (groups of channels) or "channel" (groups of tokens);
-    group: elements per group; symmetric: no zero point; meta_dtype: dtype of scale/zero; step: "range"
-    (the group's values fit its levels) or "gaussian" (symmetric: the MSE-optimal step for rotated groups)."""
+    group: elements per group (axis="token": None takes a token's whole row of features); symmetric: no zero
+    point; meta_dtype: dtype of scale/zero; step: "range" (the group's values fit its levels) or "gaussian"
+    (symmetric: the MSE-optimal step for rotated groups)."""
 
     bits: int
     axis: str = "token"
-    group: int = 32
+    group: int | None = 32
     symmetric: bool = False
     meta_dtype: str = "float16"
     step: str = "range"
@@ -62,8 +63,9 @@ class UniformConfig(TransformConfig):
             raise ValueError(f"quantize.uniform bits={self.bits} is not supported; allowed: {SUPPORTED_BITS}")
         if self.axis not in AXES:
             raise ValueError(f"quantize.uniform axis={self.axis!r} is not supported; allowed: {AXES}")
-        if self.group < 1:
-            raise ValueError(f"quantize.uniform group={self.group} must be a positive integer")
+        if (self.group is None and self.axis != "token") or (self.group is not None and self.group < 1):
+            raise ValueError(f"quantize.uniform group={self.group} must be a positive integer (or None: a token's "
+                             "whole row, with axis='token')")
         if self.meta_dtype not in META_DTYPES:
             raise ValueError(f"quantize.uniform meta_dtype={self.meta_dtype!r}; allowed: {sorted(META_DTYPES)}")
         if self.step not in STEPS or (self.step == "gaussian" and not self.symmetric):
@@ -95,7 +97,8 @@ class UniformQuantize(Transform):
 
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.config
-        if cfg.axis == "token" and ctx.dim % cfg.group:
+        group = cfg.group or ctx.dim
+        if cfg.axis == "token" and ctx.dim % group:
             raise ValueError(
                 f"quantize.uniform group={cfg.group} must divide the feature size {ctx.dim} for axis='token'"
             )
@@ -103,14 +106,14 @@ class UniformQuantize(Transform):
         if cfg.axis == "channel" and ctx.valid is not None:
             valid = ctx.valid[:, None, :, None]  # [B, 1, T, 1]
         codes, scale, zero = quantize(
-            x, cfg.bits, self._dim(), cfg.group, cfg.symmetric, META_DTYPES[cfg.meta_dtype], valid, cfg.step
+            x, cfg.bits, self._dim(), group, cfg.symmetric, META_DTYPES[cfg.meta_dtype], valid, cfg.step
         )
         state = {"scale": scale} if zero is None else {"scale": scale, "zero": zero}
         return codes, state
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         cfg = self.config
-        return dequantize(y, state["scale"], state.get("zero"), cfg.bits, self._dim(), cfg.group)
+        return dequantize(y, state["scale"], state.get("zero"), cfg.bits, self._dim(), cfg.group or ctx.dim)
 
     def scores(self, q: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Decode attention scores read from planar-packed codes.
@@ -168,8 +171,9 @@ class HiggsQuantize(Transform):
     `[B, 1, T, 1]` (span="token": the H·F features of a token form one row, Hadamard blocks stay within a
     head). Data-free: no calibration; relative MSE ≈ the grid's Gaussian MSE for non-adversarial rows.
 
-    Decode attention reads the packed codes (`x̂ = H(ĉ)·s/√F`, H symmetric orthogonal): `q·x̂ = (s/√F)·(qH)·ĉ`
-    with the query rotated once per step, and `Σ_t p_t x̂_t = H(Σ_t p_t (s_t/√F) ĉ_t)` rotated back once.
+    Decode attention reads the packed codes (`x̂ = H(ĉ)·s/√F`, H symmetric orthogonal):
+    `q·x̂ = (s/√F)·(qH)·ĉ` with the query rotated once per step, and `Σ_t p_t x̂_t = H(Σ_t p_t (s_t/√F) ĉ_t)`
+    rotated back once.
     """
 
     Config = HiggsConfig
