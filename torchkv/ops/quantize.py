@@ -106,7 +106,8 @@ def quantize(
     if symmetric and step == "gaussian":
         square = xg.square() if vg is None else torch.where(vg, xg.square(), 0.0)
         count = xg.shape[dim + 1] if vg is None else vg.sum(dim + 1, keepdim=True).clamp_min(1)
-        scale = (square.sum(dim + 1, keepdim=True) / count).sqrt().mul(GAUSSIAN_STEP[bits]).to(meta_dtype)
+        step_ = (square.sum(dim + 1, keepdim=True) / count).sqrt() * GAUSSIAN_STEP[bits]
+        scale = step_.clamp(max=torch.finfo(meta_dtype).max).to(meta_dtype)  # float8 e4m3 has no inf: no NaN
         step_ = scale.float()
         scaled = torch.where(step_ > 0, xg / step_, torch.zeros_like(xg)) + qmax / 2
         zero = None
