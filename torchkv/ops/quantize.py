@@ -103,17 +103,16 @@ def quantize(
     vg = None if valid is None else _grouped(valid.expand(x.shape), dim, group)
     if step not in STEPS or (step == "gaussian" and not symmetric):
         raise ValueError(f"step={step!r} is not supported; allowed: {STEPS} ('gaussian' with symmetric=True)")
-    if symmetric and step == "gaussian":
-        square = xg.square() if vg is None else torch.where(vg, xg.square(), 0.0)
-        count = xg.shape[dim + 1] if vg is None else vg.sum(dim + 1, keepdim=True).clamp_min(1)
-        step_ = (square.sum(dim + 1, keepdim=True) / count).sqrt() * GAUSSIAN_STEP[bits]
-        scale = step_.clamp(max=torch.finfo(meta_dtype).max).to(meta_dtype)  # float8 e4m3 has no inf: no NaN
-        step_ = scale.float()
-        scaled = torch.where(step_ > 0, xg / step_, torch.zeros_like(xg)) + qmax / 2
-        zero = None
-    elif symmetric:
-        absmax = _masked_reduce(xg.abs(), vg, dim + 1, torch.amax, 0.0)
-        scale = _round_toward(absmax * (2.0 / qmax), meta_dtype, down=False)
+    if symmetric:
+        if step == "gaussian":
+            square = xg.square() if vg is None else torch.where(vg, xg.square(), 0.0)
+            count = xg.shape[dim + 1] if vg is None else vg.sum(dim + 1, keepdim=True).clamp_min(1)
+            rms = (square.sum(dim + 1, keepdim=True) / count).sqrt()
+            # clamped: float8 e4m3 has no infinity, an overflow would store NaN
+            scale = (rms * GAUSSIAN_STEP[bits]).clamp(max=torch.finfo(meta_dtype).max).to(meta_dtype)
+        else:
+            absmax = _masked_reduce(xg.abs(), vg, dim + 1, torch.amax, 0.0)
+            scale = _round_toward(absmax * (2.0 / qmax), meta_dtype, down=False)
         step_ = scale.float()
         scaled = torch.where(step_ > 0, xg / step_, torch.zeros_like(xg)) + qmax / 2
         zero = None
