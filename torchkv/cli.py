@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 def _csv_ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+    """`"1024,4096"` -> (1024, 4096); `"none"` -> () (skips that part of an eval)."""
+    return () if text == "none" else tuple(int(x) for x in text.split(",") if x)
 
 
 def presets_markdown() -> str:
@@ -138,9 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--ppl-docs", help="context:documents pairs, e.g. 2048:2,8192:1")
     ev.add_argument("--ppl-prompt", type=float, help="fraction of each ppl document fed first as one prompt "
                     "(compressed at prefill; only later tokens scored), e.g. 0.5")
-    ev.add_argument("--retrieval-contexts", help="e.g. 2048,4096,8192")
+    ev.add_argument("--retrieval-contexts", help="e.g. 2048,4096,8192, or none")
     ev.add_argument("--retrieval-cases", type=int, help="seeded cases per context (default 50)")
-    ev.add_argument("--speed-contexts", help="contexts of the generation profile, e.g. 1024,4096")
+    ev.add_argument("--speed-contexts", help="contexts of the generation profile, e.g. 1024,4096, or none")
     ev.add_argument("--split", default="eval", help="text split (evaluation refuses 'calibration')")
     ev.add_argument("--out", default="results.json")
     ev.add_argument("--no-progress", action="store_true")

@@ -36,6 +36,17 @@ def test_errors_exit_with_a_message(capsys, tmp_path):
     assert "not a torchkv results file" in capsys.readouterr().err
 
 
+@pytest.mark.model
+def test_eval_command_can_skip_retrieval_and_speed(capsys, tmp_path):
+    out = tmp_path / "ppl.json"
+    main(["eval", "--presets", "kivi-4bit", "--ppl-docs", "256:1", "--retrieval-contexts", "none",
+          "--speed-contexts", "none", "--out", str(out), "--no-progress"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["dynamic", "kivi-4bit"]
+    assert all(r["retrieval"] == {} and r["generation"] == [] and set(r["ppl"]["streaming"]) == {"256"} for r in rows)
+    assert "| kivi-4bit |" in capsys.readouterr().out
+
+
 def test_module_entry_point():
     done = _run("-m", "torchkv", "presets")
     assert done.returncode == 0 and "kivi-2bit" in done.stdout

@@ -37,6 +37,7 @@ EXAMPLES = {
     ("predict", "linear"): [{}, {"sources": ("keys", "previous"), "weight_dtype": "float32"}],
     ("predict", "delta"): [{}],
     ("predict", "center"): [{}],
+    ("project", "balance"): [{}],
     ("project", "weights"): [
         {"basis_dtype": "float32"},
         {"side": "v", "basis": "input"},
@@ -56,13 +57,15 @@ X_WIDTH = 96
 
 
 def _model_inputs(b, t, d, seed=0):
-    """Rotary cos/sin [B, T, D], the other reconstructions a predictor reads [B, 3, T, D], the layer input X."""
+    """Rotary cos/sin [B, T, D], the other reconstructions a predictor reads [B, 3, T, D], the layer input X,
+    queries of 2 heads per KV head [B, 6, T, D] with per-channel scales."""
     g = torch.Generator().manual_seed(seed)
     angles = torch.rand(b, t, d // 2, generator=g) * 6.3
     angles = torch.cat([angles, angles], -1)
     previous, keys = torch.randn(2, b, 3, t, d, generator=g)
     x = torch.randn(b, t, X_WIDTH, generator=g)
-    return {"cos": angles.cos(), "sin": angles.sin(), "previous": previous, "keys": keys, "x": x}
+    queries = torch.randn(b, 6, t, d, generator=g) * torch.rand(d, generator=g).exp()
+    return {"cos": angles.cos(), "sin": angles.sin(), "previous": previous, "keys": keys, "x": x, "queries": queries}
 
 
 def _tokens(tensor, sl):
@@ -94,9 +97,12 @@ def _upstream(transform, batch: int) -> dict:
     return {}
 
 
-def _prepared(transform, x) -> dict:
-    """What `prepare` gives a transform whose encoding reads it (the prompt's SVD basis, its channel medians)."""
-    return transform.prepare(x, Context(dim=x.shape[-1])) if {"basis", "center"} & transform.prepares else {}
+def _prepared(transform, x, inputs) -> dict:
+    """What `prepare` gives a transform whose encoding reads it (the prompt's SVD basis, its channel medians,
+    its query-balanced channel scales)."""
+    if not {"basis", "center", "balance"} & transform.prepares:
+        return {}
+    return transform.prepare(x, Context(dim=x.shape[-1], inputs=inputs))
 
 
 def _consistent(transform, x, ctx):
@@ -148,7 +154,8 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     shape = (batch, 3, step * chunks, d)
     x = _input(t, shape, seed)
     inputs = _model_inputs(batch, shape[2], d, seed)
-    ctx = Context(dim=d, params=_params(t, d), inputs=inputs, upstream=_upstream(t, batch), prepared=_prepared(t, x))
+    ctx = Context(dim=d, params=_params(t, d), inputs=inputs, upstream=_upstream(t, batch),
+                  prepared=_prepared(t, x, inputs))
     x = _consistent(t, x, ctx)
     y, state = t.encode(x, ctx)
     xhat = t.decode(y, state, ctx)
@@ -176,7 +183,7 @@ def test_compiled_equals_eager(kind, name, cfg):
     t = registry.transform_class(kind, name)(**cfg)
     x = _input(t, (2, 3, 64, 64), 0)
     ctx = Context(dim=64, inputs=_model_inputs(2, 64, 64))
-    upstream, prepared, params = _upstream(t, 2), _prepared(t, x), _params(t, 64)
+    upstream, prepared, params = _upstream(t, 2), _prepared(t, x, ctx.inputs), _params(t, 64)
 
     def roundtrip(x, inputs):
         c = Context(dim=64, params=params, inputs=inputs, upstream=upstream, prepared=prepared)
@@ -200,6 +207,8 @@ READ_STORED = {
     "higgs-4bit-centred": lambda: [T.predict("center"), T.quantize("higgs", bits=4, dim=2), T.pack()],
     "higgs-token-span-centred-after-hadamard": lambda: [
         T.rotate("hadamard", block=16), T.predict("center"), T.quantize("higgs", bits=2, dim=2, span="token"), T.pack()],
+    "higgs-centred-balanced": lambda: [
+        T.predict("center"), T.project("balance"), T.quantize("higgs", bits=2, dim=4), T.pack()],
 }
 
 
@@ -210,7 +219,8 @@ def test_scores_and_sums_read_from_the_stored_form_equal_the_reconstructions(cha
     assert chain.scores_stored and chain.sums_stored
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, 8 * chunks, 32, generator=g) + 4 * torch.randn(32, generator=g)  # per-channel offsets
-    prepared = chain.prepare(x, {}, None, {}) if chain.needs_prepare else {}
+    queries = {"queries": torch.randn(2, 6, 8 * chunks, 32, generator=g) * torch.rand(32, generator=g).exp()}
+    prepared = chain.prepare(x, {}, None, queries) if chain.needs_prepare else {}
     state = chain.encode(x, {}, prepared, None, {})
     xhat = chain.decode(state, 32, {}, prepared, {})
     by_chunk = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}

@@ -1,13 +1,16 @@
 """Frontier: the composition that measured best on quality, stored bits and decode speed together (issue 19).
 
 Keys are stored after RoPE, so decode attention scores their codes directly instead of rebuilding each
-position's key: a key chunk is centred by its channels' medians over the prompt (`predict.center`) and
-vector-quantized with HIGGS (Hadamard rotation, one norm per row, nearest point of a 4-D Gaussian grid:
-AQUA-KV §3.3), scored through a per-step look-up table. Values are Hadamard-rotated and quantized per token
-and head with the MSE-optimal uniform step for Gaussian rows (`step="gaussian"`), summed from their codes in the
-rotated domain and rotated back once per step. The first `sinks` tokens and a `residual` window stay in full
-precision, and the first `wide_layers` layers are stored at `wide_bits` (as AQUA-KV and XQuant-CL widen their
-first layers). The measurements behind each choice are in `benchmarks/results/frontier/`.
+position's key. A key chunk is centred by its channels' medians over the prompt (`predict.center`); its
+channels are scaled by `(rms q / rms k)^½` over the prompt and queries by the inverse (`project.balance`, the
+scales that minimise the score error of a per-token code: without them Gemma 3's keys cost +32% perplexity
+at 2.4 bits); then it is vector-quantized with HIGGS (Hadamard rotation, one norm per row, nearest point of a
+4-D Gaussian grid: AQUA-KV §3.3), scored through a per-step look-up table. Values are Hadamard-rotated and
+quantized per token and head with the MSE-optimal uniform step for Gaussian rows (`step="gaussian"`), summed
+from their codes in the rotated domain and rotated back once per step. The first `sinks` tokens and a
+`residual` window stay in full precision, and the first `wide_layers` layers are stored at `wide_bits` (as
+AQUA-KV and XQuant-CL widen their first layers). The measurements behind each choice are in
+`benchmarks/results/frontier/`.
 """
 
 import functools
@@ -20,33 +23,33 @@ from torchkv.transforms.quantizers import HIGGS_SHAPES
 VALUES = ("uniform", "higgs")
 
 
-def _keys(bits: int, dim: int, span: str, center: bool, scale_dtype: str) -> list:
-    """Centred HIGGS keys on the `dim`-D grid, or the 2-D one where no `dim`-D grid has `bits` (4 bits)."""
+def _keys(bits: int, dim: int, span: str, center: bool, balance: bool, scale_dtype: str) -> list:
+    """Centred (and balanced) HIGGS keys on the `dim`-D grid, or the 2-D one where no `dim`-D grid has `bits`."""
     dim = dim if (bits, dim) in HIGGS_SHAPES else 2
     higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype)
-    return [*([T.predict("center")] if center else []), higgs, T.pack()]
+    return [*([T.predict("center")] if center else []), *([T.project("balance")] if balance else []), higgs, T.pack()]
 
 
 def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str) -> list:
     if kind == "higgs":  # the ablation: values in HIGGS codes as well
-        return _keys(bits, dim, span, False, scale_dtype)
+        return _keys(bits, dim, span, False, False, scale_dtype)
     uniform = T.quantize(bits=bits, axis="token", group=None, symmetric=True, step="gaussian", meta_dtype=scale_dtype)
     return [T.rotate("hadamard"), uniform, T.pack()]
 
 
 def frontier(
-    bits: int = 2, dim: int = 4, span: str = "head", center: bool = True, values: str = "uniform",
-    scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4, residual: int = 128,
-    chunk: int = 32,
+    bits: int = 2, dim: int = 4, span: str = "head", center: bool = True, balance: bool = True,
+    values: str = "uniform", scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4,
+    residual: int = 128, chunk: int = 32,
 ) -> KVPipeline:
-    """Keys: centred post-RoPE HIGGS at `bits` on the `dim`-D grid, one norm per `span` ("head": a KV head's
-    features of a token; "token": all its KV heads); values: `values` "uniform" (Hadamard, then a Gaussian-step
-    scale per token and head) or "higgs"; scales stored in `scale_dtype`."""
+    """Keys: centred (`center`), query-balanced (`balance`) post-RoPE HIGGS at `bits` on the `dim`-D grid, one
+    norm per `span` ("head": a KV head's features of a token; "token": all its KV heads); values: `values`
+    "uniform" (Hadamard, then a Gaussian-step scale per token and head) or "higgs"; scales in `scale_dtype`."""
     if values not in VALUES:
         raise ValueError(f"frontier values={values!r}; allowed: {VALUES}")
 
     def chains(width: int) -> tuple[list, list]:
-        return (_keys(width, dim, span, center, scale_dtype), _values(width, values, dim, span, scale_dtype))
+        return (_keys(width, dim, span, center, balance, scale_dtype), _values(width, values, dim, span, scale_dtype))
 
     keys, vals = chains(bits)
     return KVPipeline(keys, vals, first_layers=[chains(wide_bits)] * wide_layers or None, residual=residual,
@@ -54,7 +57,7 @@ def frontier(
 
 
 PRESETS = {  # name: (nominal bits, options)
-    "frontier-2bit": (2.0, {"span": "token", "scale_dtype": "float8_e5m2"}),
+    "frontier-2bit": (2.0, {"scale_dtype": "float8_e5m2"}),
     "frontier-2.5bit": (2.5, {"wide_layers": 3}),
     "frontier-3bit": (3.0, {"wide_layers": 11}),
 }

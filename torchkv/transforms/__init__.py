@@ -6,7 +6,7 @@ Usage: `import torchkv.transforms as T; T.quantize(bits=2, axis="channel", group
 from typing import Any
 
 from torchkv.registry import transform_class
-from torchkv.transforms import packers, predictors, quantizers, rotations  # noqa: F401  (registers the built-ins)
+from torchkv.transforms import packers, predictors, projections, quantizers, rotations  # noqa: F401  (registers the built-ins)
 from torchkv.transforms.base import Context, ProjectionWeights, Transform, TransformConfig
 
 

@@ -1,0 +1,65 @@
+"""Project transforms that are not tied to one method: diagonal maps of the feature axis."""
+
+from collections.abc import Mapping
+
+import torch
+
+from torchkv.registry import register_transform
+from torchkv.transforms.base import Context, Transform
+
+
+def _channel_rms(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """`x: [B, H, R, T, F]` -> root mean square over rows R and valid tokens T: `[B, H, 1, F]` float32."""
+    x = x.float().square()
+    if valid is not None:
+        x = x * valid[:, None, None, :, None]
+        count = valid.sum(1).clamp_min(1)[:, None, None, None] * x.shape[2]
+        return (x.sum((2, 3)) / count[..., 0])[:, :, None].sqrt()
+    return x.mean((2, 3))[:, :, None].sqrt()
+
+
+@register_transform("project", "balance")
+class Balance(Transform):
+    """Scale key channel c by `w_c = (rms q_c / rms k_c)^½` over the prompt and queries by `1/w`: scores are
+    unchanged (`q·k = (q/w)·(k⊙w)`), and the error of a per-token code that comes after it is spread where the
+    queries weigh it least. A code whose error is white in the scaled space (a rotation then one norm per row)
+    has score error variance `∝ Σ_c (E q_c² / w_c²) · Σ_c w_c² E k_c²`, which this `w` minimises
+    (Cauchy–Schwarz); it is normalised to a geometric mean of 1.
+
+    prepare: keys `x: [B, H, T, F]` and the prompt's queries `[B, Hq, T, F]` (query head i reads KV head
+    i // (Hq/H); pads excluded) -> "balance" `w` `[B, H, 1, F]` float32.
+    encode: `x ⊙ w`; decode: `y / w`; decode attention reads the scaled form through `map_query` `q / w`.
+    """
+
+    needs_prepare = True
+    requires = frozenset({"queries"})
+    prepares = frozenset({"balance"})
+    linear = True
+
+    def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
+        q = ctx.inputs.get("queries")
+        if q is None:
+            raise ValueError(
+                "project.balance needs the prompt's queries: patch the model with torchkv.patch, or pass "
+                "inputs={'queries': q} ([batch, query_heads, tokens, head_dim]) to KVPipeline.prepare"
+            )
+        b, h, t, f = x.shape
+        if q.shape[0] != b or q.shape[2] != t or q.shape[1] % h or q.shape[3] != f:
+            raise ValueError(f"queries {tuple(q.shape)} do not match keys {tuple(x.shape)} (batch, tokens, GQA heads)")
+        q_rms = _channel_rms(q.reshape(b, h, q.shape[1] // h, t, f), ctx.valid)
+        k_rms = _channel_rms(x[:, :, None], ctx.valid)
+        floor = 1e-6 * torch.maximum(q_rms.amax(-1, keepdim=True), k_rms.amax(-1, keepdim=True)).clamp_min(1e-30)
+        log_w = 0.5 * (q_rms.clamp_min(floor).log() - k_rms.clamp_min(floor).log())
+        return {"balance": (log_w - log_w.mean(-1, keepdim=True)).exp()}
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return x.float() * ctx.prepared["balance"], {}
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        return y.float() / ctx.prepared["balance"]
+
+    def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return q.float() / ctx.prepared["balance"]
+
+    def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return o / ctx.prepared["balance"]
