@@ -64,6 +64,6 @@ PRESETS = {  # name: (nominal bits, options)
 for _name, (_bits, _options) in PRESETS.items():
     register_preset(
         _name, nominal_bits=_bits,
-        description=f"Frontier {_bits:g}-bit: centred post-RoPE keys in HIGGS 4-D codes, rotated Gaussian-step "
-                    "values, both read directly by decode; 4 sinks, fp window",
+        description=f"Frontier {_bits:g}-bit: centred, query-balanced post-RoPE keys in HIGGS 4-D codes, rotated "
+                    "Gaussian-step values, both read directly by decode; 4 sinks, fp window",
     )(functools.partial(frontier, **_options))
