@@ -16,7 +16,9 @@ from torchkv.transforms import Context
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
 
-@pytest.mark.parametrize("name,limit", [("frontier-2bit", 2.1), ("frontier-2.5bit", 2.5), ("frontier-3bit", 3.0)])
+#: frontier-2bit keeps one float8 key norm per token and KV head (2.125 bits), not one per token (2.08 bits):
+#: with a shared norm it answered 0 of 20 pass-key cases at 4K (benchmarks/results/frontier/retrieval_4k_ablation.txt)
+@pytest.mark.parametrize("name,limit", [("frontier-2bit", 2.125), ("frontier-2.5bit", 2.5), ("frontier-3bit", 3.0)])
 def test_measured_bits_meet_the_preset_budgets(name, limit):
     """Stored bits per value over all layers, scales included, from the real encoded tensors."""
     bits = KVPipeline.from_preset(name).bits_per_value(KV_HEADS, HEAD_DIM, layers=LAYERS)
