@@ -18,6 +18,12 @@ def _prompt(seed: int, spread: float, tokens: int = 64):
     return k, q
 
 
+def _pairs(x):
+    """`[..., 16]` -> each rotary pair's (c, c + 8) mean, repeated on both channels."""
+    pooled = (x[..., :8] + x[..., 8:]) / 2
+    return torch.cat([pooled, pooled], -1)
+
+
 def _bound(w, a, b):
     """The score error bound `Σ_c a_c / w_c² · Σ_c w_c² b_c` (a: E q_c², b: E k_c²)."""
     return (a / w**2).sum(-1) * (w**2 * b).sum(-1)
@@ -25,15 +31,32 @@ def _bound(w, a, b):
 
 @given(seed=st.integers(0, 10_000), spread=st.floats(0.0, 2.0), nudge=st.floats(0.05, 1.0))
 def test_the_scales_reach_the_closed_form_minimum_of_the_error_bound(seed, spread, nudge):
+    """Among scales shared by each rotary pair, `w` minimises the bound, at `(Σ_c (ā_c b̄_c)^½)²` with ā, b̄
+    the pair means (Cauchy–Schwarz)."""
     k, q = _prompt(seed, spread)
     w = T.project("balance").prepare(k, Context(dim=16, inputs={"queries": q}))["balance"][0, :, 0]  # [2, 16]
     a = q.unflatten(1, (2, 2)).square().mean((2, 3))[0]  # E q_c² over each KV head's query heads and tokens
     b = k.square().mean(2)[0]
+    torch.testing.assert_close(w[:, :8], w[:, 8:], rtol=0, atol=0)  # one scale per rotary pair
     torch.testing.assert_close(w.log().mean(-1), torch.zeros(2), rtol=0, atol=1e-5)  # geometric mean 1
-    minimum = (a * b).sqrt().sum(-1) ** 2  # Cauchy–Schwarz
+    minimum = (_pairs(a) * _pairs(b)).sqrt().sum(-1) ** 2
     torch.testing.assert_close(_bound(w, a, b), minimum, rtol=1e-4, atol=0)
-    other = w * (nudge * torch.randn(16, generator=torch.Generator().manual_seed(seed))).exp()
+    other = w * _pairs(nudge * torch.randn(16, generator=torch.Generator().manual_seed(seed))).exp()
     assert torch.all(_bound(other, a, b) >= minimum * (1 - 1e-5))
+
+
+@given(seed=st.integers(0, 1000))
+def test_the_scales_commute_with_rope(seed):
+    """The same keys and queries turned by RoPE at other positions give the same scales (a pair's energy
+    is kept by its rotation), so scales fitted on a short prompt hold for later positions."""
+    k, q = _prompt(seed, 1.0)
+    angles = torch.rand(64, 8, generator=torch.Generator().manual_seed(seed)) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rope = lambda x: x * cos + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin  # noqa: E731  (rotate_half)
+    balance = T.project("balance")
+    plain = balance.prepare(k, Context(dim=16, inputs={"queries": q}))["balance"]
+    turned = balance.prepare(rope(k), Context(dim=16, inputs={"queries": rope(q)}))["balance"]
+    torch.testing.assert_close(turned, plain, rtol=1e-4, atol=1e-5)
 
 
 @given(pads=st.integers(1, 20), seed=st.integers(0, 1000))
