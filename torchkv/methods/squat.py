@@ -57,20 +57,13 @@ class QuerySubspace(Transform):
     linear = True
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
-        q = ctx.inputs.get("queries")
-        if q is None:
-            raise ValueError(
-                "project.query_subspace needs the prompt's queries: patch the model with torchkv.patch, or pass "
-                "inputs={'queries': q} ([batch, query_heads, tokens, head_dim]) to KVPipeline.prepare"
-            )
-        b, h, t, d = x.shape
-        if q.shape[0] != b or q.shape[2] != t or q.shape[1] % h:
-            raise ValueError(f"queries {tuple(q.shape)} do not match keys {tuple(x.shape)} (batch, tokens, GQA heads)")
+        grouped = self.prompt_queries(x, ctx)  # [B, H, n_rep, T, D]
+        b, h, n_rep, t, d = grouped.shape
         cfg = self.config
-        rows = q.reshape(b, h, q.shape[1] // h * t, d)  # [B, H, n_rep·T, D], GQA heads stacked
+        rows = grouped.flatten(2, 3)  # [B, H, n_rep·T, D], GQA heads stacked
         valid = None
         if ctx.valid is not None:
-            valid = ctx.valid[:, None, None, :].expand(b, h, q.shape[1] // h, t).reshape(b, h, -1)
+            valid = ctx.valid[:, None, None, :].expand(b, h, n_rep, t).reshape(b, h, -1)
         if cfg.shared:
             rows, valid = rows[:1], None if valid is None else valid[:1]
         updates = block_updates(query_subspace(rows, cfg.rank, valid), cfg.lam, cfg.block or d // 2)

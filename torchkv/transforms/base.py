@@ -115,6 +115,20 @@ class Transform:
         """Per-sequence state from the prompt's own tensors (batch at dim 0). Default: none."""
         return {}
 
+    def prompt_queries(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """The prompt's queries `ctx.inputs["queries"]` `[B, Hq, T, F]` grouped by the KV head they read
+        (query head i reads KV head i // (Hq/H)): `[B, H, Hq/H, T, F]`, for keys `x: [B, H, T, F]`."""
+        q = ctx.inputs.get("queries")
+        if q is None:
+            raise ValueError(
+                f"{self.kind}.{self.name} needs the prompt's queries: patch the model with torchkv.patch, or pass "
+                "inputs={'queries': q} ([batch, query_heads, tokens, head_dim]) to KVPipeline.prepare"
+            )
+        b, h, t, f = x.shape
+        if q.shape[0] != b or q.shape[2] != t or q.shape[1] % h or q.shape[3] != f:
+            raise ValueError(f"queries {tuple(q.shape)} do not match keys {tuple(x.shape)} (batch, tokens, GQA heads)")
+        return q.reshape(b, h, q.shape[1] // h, t, f)
+
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`x: [B, H, T, F]` -> (output passed to the next transform, state to store)."""
         raise NotImplementedError

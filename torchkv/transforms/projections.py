@@ -11,11 +11,10 @@ from torchkv.transforms.base import Context, Transform
 def _channel_rms(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """`x: [B, H, R, T, F]` -> root mean square over rows R and valid tokens T: `[B, H, 1, F]` float32."""
     x = x.float().square()
-    if valid is not None:
-        x = x * valid[:, None, None, :, None]
-        count = valid.sum(1).clamp_min(1)[:, None, None, None] * x.shape[2]
-        return (x.sum((2, 3)) / count[..., 0])[:, :, None].sqrt()
-    return x.mean((2, 3))[:, :, None].sqrt()
+    if valid is None:
+        return x.mean((2, 3))[:, :, None].sqrt()
+    count = valid.sum(1).clamp_min(1)[:, None, None] * x.shape[2]  # [B, 1, 1]
+    return ((x * valid[:, None, None, :, None]).sum((2, 3)) / count)[:, :, None].sqrt()
 
 
 def _pair_rms(rms: torch.Tensor) -> torch.Tensor:
@@ -48,18 +47,9 @@ class Balance(Transform):
     linear = True
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
-        q = ctx.inputs.get("queries")
-        if q is None:
-            raise ValueError(
-                "project.balance needs the prompt's queries: patch the model with torchkv.patch, or pass "
-                "inputs={'queries': q} ([batch, query_heads, tokens, head_dim]) to KVPipeline.prepare"
-            )
-        b, h, t, f = x.shape
-        if f % 2:
-            raise ValueError(f"project.balance pairs rotary channels (c, c + F/2): F={f} must be even")
-        if q.shape[0] != b or q.shape[2] != t or q.shape[1] % h or q.shape[3] != f:
-            raise ValueError(f"queries {tuple(q.shape)} do not match keys {tuple(x.shape)} (batch, tokens, GQA heads)")
-        q_rms = _pair_rms(_channel_rms(q.reshape(b, h, q.shape[1] // h, t, f), ctx.valid))
+        if x.shape[-1] % 2:
+            raise ValueError(f"project.balance pairs rotary channels (c, c + F/2): F={x.shape[-1]} must be even")
+        q_rms = _pair_rms(_channel_rms(self.prompt_queries(x, ctx), ctx.valid))
         k_rms = _pair_rms(_channel_rms(x[:, :, None], ctx.valid))
         floor = 1e-6 * torch.maximum(q_rms.amax(-1, keepdim=True), k_rms.amax(-1, keepdim=True)).clamp_min(1e-30)
         log_w = 0.5 * (q_rms.clamp_min(floor).log() - k_rms.clamp_min(floor).log())
