@@ -237,3 +237,15 @@ def test_without_a_cache_the_patched_model_attends_over_its_inputs(smollm2, long
         with torchkv.patched(model, "kivi-2bit"):
             got = model(ids, use_cache=False).logits
     torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-3)
+
+
+def test_generate_reads_and_writes_the_compressed_cache(smollm2, long_prompt):
+    """generate() passes its cache as `cache` (transformers >= 5.24) or `past_key_values`: either way the
+    generation runs through a torchkv cache that holds encoded tokens, not a DynamicCache beside it."""
+    model, _ = smollm2
+    prompt = long_prompt[:, :400]
+    with torchkv.patched(model, "kivi-2bit"), torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                             return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, torchkv.models.TorchKVCache)
+    assert out.past_key_values.layers[0].store.n_encoded > 0

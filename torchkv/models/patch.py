@@ -7,6 +7,7 @@ for the cache (XQuant caches a function of it). `unpatch` removes them.
 """
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,23 +96,41 @@ def new_cache(
     return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel)
 
 
+#: the keywords a cache travels under: `cache` since transformers 5.24, `past_key_values` before (and its
+#: deprecated alias since); both are read, and a cache is put under the name the model's forward declares
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def _passed_cache(kwargs: dict) -> tuple[str | None, object]:
+    """(keyword, cache) of the cache a forward call received, or (None, None)."""
+    for key in CACHE_KWARGS:
+        if kwargs.get(key) is not None:
+            return key, kwargs[key]
+    return None, None
+
+
 def _stage_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Attention pre-hook: give the layer's torchkv cache the attention block's input X (after its norm)."""
-    cache = kwargs.get("past_key_values")
+    cache = _passed_cache(kwargs)[1]
     if isinstance(cache, TorchKVCache):
         cache.layers[module.layer_idx].layer_input = arch.attention_input(args, kwargs)
 
 
+def _cache_keyword(model: nn.Module) -> str:
+    """The keyword `model.forward` takes its cache under (see `CACHE_KWARGS`)."""
+    return next(key for key in CACHE_KWARGS if key in inspect.signature(model.forward).parameters)
+
+
 def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: put a torchkv cache where the model would create a DynamicCache."""
-    cache = kwargs.get("past_key_values")
+    key, cache = _passed_cache(kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = model.config.get_text_config(decoder=True).use_cache
     if isinstance(cache, TorchKVCache) or (cache is None and not use_cache):
         return None
     if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
-        kwargs["past_key_values"] = new_cache(model)
+        kwargs[key or _cache_keyword(model)] = new_cache(model)
         return args, kwargs
     if isinstance(cache, Cache):
         raise ValueError(
