@@ -8,6 +8,7 @@ measured copy bandwidth.
 
     python benchmarks/decode.py --out benchmarks/results/decode/decode_cpu.json
     python benchmarks/decode.py --append --batches 8 --contexts 8192 --presets kivi-2bit --out ...  # more cells
+    python benchmarks/decode.py --cells 4096x1,8192x8 --dtypes float32 --out ...  # only these cells
     python benchmarks/decode.py --device cuda --dtypes bfloat16 --out benchmarks/results/decode/decode_h100_bf16.json
     torchkv report benchmarks/results/decode/decode_cpu.json
 
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="1024,4096,8192")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--cells", help="context x batch pairs instead of every --contexts x --batches pair, "
+                                        "e.g. 4096x1,8192x8")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets() if not p["calibrate"]))
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -97,8 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--append", action="store_true", help="add this run's rows to the JSON at --out")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    if args.cells:
+        cells = [tuple(int(n) for n in cell.split("x")) for cell in args.cells.split(",")]
+    else:
+        cells = [(int(c), int(b)) for b in args.batches.split(",") for c in args.contexts.split(",")]
     names = list(BASELINES) + [p for p in args.presets.split(",") if p]
     out = Path(args.out)
     bandwidth = copy_bandwidth(device)
@@ -116,30 +121,28 @@ def main(argv: list[str] | None = None) -> None:
             "kernel": [],
         }
     for preset in filter(None, args.kernel_presets.split(",")):
-        for context in contexts:
-            for batch in batches:
-                row = kernel_row(preset, context, batch, device)
-                row["fraction_of_copy_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
-                results["kernel"].append(row)
-                print(json.dumps(row), flush=True)
+        for context, batch in cells:
+            row = kernel_row(preset, context, batch, device)
+            row["fraction_of_copy_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
+            results["kernel"].append(row)
+            print(json.dumps(row), flush=True)
     for dtype in args.dtypes.split(","):
         model, tokenizer = torchkv.load_model(dtype=getattr(torch, dtype))
         model.to(device)
-        for batch in batches:
-            for context in contexts:
-                cell = []
-                for name in names:
-                    profile = generation_profile(model, tokenizer, method(name), context, args.new_tokens, batch)
-                    profile.update(name=name, dtype=dtype)
-                    cell.append(profile)
-                    print(json.dumps(profile), flush=True)
-                reference = cell[0]
-                for profile in cell:
-                    profile["decode_ratio"] = profile["decode_tokens_per_s"] / reference["decode_tokens_per_s"]
-                    profile["prefill_ratio"] = profile["prefill_tokens_per_s"] / reference["prefill_tokens_per_s"]
-                results["rows"].extend(cell)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(results, indent=2))
+        for context, batch in cells:
+            cell = []
+            for name in names:
+                profile = generation_profile(model, tokenizer, method(name), context, args.new_tokens, batch)
+                profile.update(name=name, dtype=dtype)
+                cell.append(profile)
+                print(json.dumps(profile), flush=True)
+            reference = cell[0]
+            for profile in cell:
+                profile["decode_ratio"] = profile["decode_tokens_per_s"] / reference["decode_tokens_per_s"]
+                profile["prefill_ratio"] = profile["prefill_tokens_per_s"] / reference["prefill_tokens_per_s"]
+            results["rows"].extend(cell)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=2))
         del model
     print(f"wrote {out}")
 

@@ -41,7 +41,8 @@ def _eval(args) -> None:
     settings = QUICK if args.quick else EvalSettings()
     overrides = {"simulated": args.simulated, "split": args.split}
     if args.ppl_docs:
-        overrides["ppl_docs"] = {int(k): int(v) for k, v in (kv.split(":") for kv in args.ppl_docs.split(","))}
+        pairs = () if args.ppl_docs == "none" else (kv.split(":") for kv in args.ppl_docs.split(","))
+        overrides["ppl_docs"] = {int(k): int(v) for k, v in pairs}
     if args.ppl_prompt:
         overrides["ppl_prompt"] = args.ppl_prompt
     if args.retrieval_contexts:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--baselines", action="store_true", help="add transformers' QuantizedCache (quanto 4/2-bit)")
     ev.add_argument("--simulated", action="store_true", help="also perplexity with every token quantized")
     ev.add_argument("--quick", action="store_true", help="small samples (a few minutes)")
-    ev.add_argument("--ppl-docs", help="context:documents pairs, e.g. 2048:2,8192:1")
+    ev.add_argument("--ppl-docs", help="context:documents pairs, e.g. 2048:2,8192:1, or none")
     ev.add_argument("--ppl-prompt", type=float, help="fraction of each ppl document fed first as one prompt "
                     "(compressed at prefill; only later tokens scored), e.g. 0.5")
     ev.add_argument("--retrieval-contexts", help="e.g. 2048,4096,8192, or none")

@@ -127,7 +127,7 @@ def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
     done = _run("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32",
                 "--presets", "kivi-4bit", "--new-tokens", "2", "--kernel-presets", "kivi-2bit", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
-    done = _run("benchmarks/decode.py", "--append", "--contexts", "512", "--batches", "2", "--dtypes", "float32",
+    done = _run("benchmarks/decode.py", "--append", "--cells", "512x2", "--dtypes", "float32",
                 "--presets", "", "--new-tokens", "2", "--kernel-presets", "", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())

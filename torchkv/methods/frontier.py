@@ -1,15 +1,17 @@
 """Frontier: the composition that measured best on quality, stored bits and decode speed together (issue 19).
 
 Keys are stored after RoPE, so decode attention scores their codes directly instead of rebuilding each
-position's key. A key chunk is centred by its channels' medians over the prompt (`predict.center`); its
-channels are scaled by `(rms q / rms k)^½` over the prompt and queries by the inverse (`project.balance`, the
-scales that minimise the score error of a per-token code: without them Gemma 3's keys cost +32% perplexity
-at 2.4 bits); then it is vector-quantized with HIGGS (Hadamard rotation, one norm per row, nearest point of a
-4-D Gaussian grid: AQUA-KV §3.3), scored through a per-step look-up table. Values are Hadamard-rotated and
-quantized per token and head with the MSE-optimal uniform step for Gaussian rows (`step="gaussian"`), summed
-from their codes in the rotated domain and rotated back once per step. The first `sinks` tokens and a
-`residual` window stay in full precision, and the first `wide_layers` layers are stored at `wide_bits` (as
-AQUA-KV and XQuant-CL widen their first layers). The measurements behind each choice are in
+position's key. A key chunk's channels are scaled by `(rms q / rms k)^½` over the prompt and queries by the
+inverse (`project.balance`, the scales that minimise the score error of a per-token code: without them Gemma
+3's keys cost +32% perplexity at 2.4 bits); then it is vector-quantized with HIGGS (Hadamard rotation, one norm
+per row, nearest point of a 4-D Gaussian grid: AQUA-KV §3.3), scored through a per-step look-up table. Values
+are Hadamard-rotated and quantized per token and head with the MSE-optimal uniform step for Gaussian rows
+(`step="gaussian"`), summed from their codes in the rotated domain and rotated back once per step. The first
+`sinks` tokens and a `residual` window stay in full precision, and the first `wide_layers` layers are stored at
+`wide_bits` (as AQUA-KV and XQuant-CL widen their first layers). Centring keys by their channels' prompt
+medians first (`center`, `predict.center`) is off: on SmolLM2 it gains 0.3 points of perplexity at 2K but
+loses 0.7 at 8K and a quarter of the pass-key answers at 4K, because a rotary pair that turns over the context
+has no offset that the prompt's median could remove. The measurements behind each choice are in
 `benchmarks/results/frontier/`.
 """
 
@@ -38,12 +40,12 @@ def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str) -> list
 
 
 def frontier(
-    bits: int = 2, dim: int = 4, span: str = "head", center: bool = True, balance: bool = True,
+    bits: int = 2, dim: int = 4, span: str = "head", center: bool = False, balance: bool = True,
     values: str = "uniform", scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4,
     residual: int = 128, chunk: int = 32,
 ) -> KVPipeline:
-    """Keys: centred (`center`), query-balanced (`balance`) post-RoPE HIGGS at `bits` on the `dim`-D grid, one
-    norm per `span` ("head": a KV head's features of a token; "token": all its KV heads); values: `values`
+    """Keys: optionally centred (`center`), query-balanced (`balance`) post-RoPE HIGGS at `bits` on the `dim`-D
+    grid, one norm per `span` ("head": a KV head's features of a token; "token": all its KV heads); values: `values`
     "uniform" (Hadamard, then a Gaussian-step scale per token and head) or "higgs"; scales in `scale_dtype`."""
     if values not in VALUES:
         raise ValueError(f"frontier values={values!r}; allowed: {VALUES}")
@@ -64,6 +66,6 @@ PRESETS = {  # name: (nominal bits, options)
 for _name, (_bits, _options) in PRESETS.items():
     register_preset(
         _name, nominal_bits=_bits,
-        description=f"Frontier {_bits:g}-bit: centred, query-balanced post-RoPE keys in HIGGS 4-D codes, rotated "
+        description=f"Frontier {_bits:g}-bit: query-balanced post-RoPE keys in HIGGS 4-D codes, rotated "
                     "Gaussian-step values, both read directly by decode; 4 sinks, fp window",
     )(functools.partial(frontier, **_options))
