@@ -118,10 +118,11 @@ def _stage_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def _cache_keyword(model: nn.Module) -> str:
     """The keyword `model.forward` takes its cache under (see `CACHE_KWARGS`)."""
-    return next(key for key in CACHE_KWARGS if key in inspect.signature(model.forward).parameters)
+    parameters = inspect.signature(model.forward).parameters
+    return next((key for key in CACHE_KWARGS if key in parameters), "past_key_values")
 
 
-def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs: dict):
+def _use_torchkv_cache(model: nn.Module, keyword: str, args: tuple, kwargs: dict):
     """Forward pre-hook: put a torchkv cache where the model would create a DynamicCache."""
     key, cache = _passed_cache(kwargs)
     use_cache = kwargs.get("use_cache")
@@ -130,7 +131,7 @@ def _use_torchkv_cache(model: nn.Module, module: nn.Module, args: tuple, kwargs:
     if isinstance(cache, TorchKVCache) or (cache is None and not use_cache):
         return None
     if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
-        kwargs[key or _cache_keyword(model)] = new_cache(model)
+        kwargs[key or keyword] = new_cache(model)
         return args, kwargs
     if isinstance(cache, Cache):
         raise ValueError(
@@ -162,14 +163,14 @@ def patch(
     if model in _PATCHES:
         unpatch(model)
     register()
-    previous = model.config._attn_implementation
+    previous, keyword = model.config._attn_implementation, _cache_keyword(model)
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
         raise NotImplementedError(
             f"{type(model).__name__} does not let its attention implementation be set; torchkv cannot patch it"
         )
     hooks = [model.register_forward_pre_hook(
-        lambda module, args, kwargs: _use_torchkv_cache(model, module, args, kwargs), with_kwargs=True
+        lambda module, args, kwargs: _use_torchkv_cache(model, keyword, args, kwargs), with_kwargs=True
     )] + [m.register_forward_pre_hook(_stage_layer_input, with_kwargs=True) for m in attention]
     _PATCHES[model] = _Patch(pipe, previous, hooks, prefill_kernel)
     return model
