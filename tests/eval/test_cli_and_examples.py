@@ -122,6 +122,31 @@ def test_calibrate_command_saves_a_pipeline_that_eval_rows_and_patch_load(tmp_pa
 
 
 @pytest.mark.model
+def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
+    from torchkv.eval.rows import method
+
+    out = tmp_path / "tuned"
+    main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "1024",
+          "--no-progress"])
+    assert f"wrote {out}" in capsys.readouterr().out
+    report = json.loads((out / "tune.json").read_text())
+    assert report["bits_per_value"] <= 2.125 and len(report["layers"]) == 30 and report["tokens"] == 1024
+    assert method(str(out)).pipeline.tuned_for["layers"] == 30
+    results = tmp_path / "eval.json"
+    main(["eval", "--presets", "tuned:kivi-2bit@2.75", "--tune-tokens", "1024", "--ppl-docs", "128:1",
+          "--retrieval-contexts", "none", "--speed-contexts", "none", "--out", str(results), "--no-progress"])
+    rows = json.loads(results.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["dynamic", "tuned:kivi-2bit@2.75"]
+    tuned = rows[1]
+    assert tuned["tuning"]["bits_per_value"] <= 2.75 and tuned["tuning"]["tokens"] == 1024
+    assert (tmp_path / "tuned" / "kivi-2bit@2.75" / "tune.json").is_file()  # saved beside the results
+    assert (tuned["bits_per_value"]["keys"] + tuned["bits_per_value"]["values"]) / 2 <= 2.75
+    with pytest.raises(SystemExit):
+        main(["tune", "--preset", "kivi-2bit", "--budget", "1", "--out", str(tmp_path / "x"), "--tokens", "1024"])
+    assert "candidate settings reach 1.375 to 9 bits per value" in capsys.readouterr().err
+
+
+@pytest.mark.model
 def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
     out = tmp_path / "decode.json"
     done = _run("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32",

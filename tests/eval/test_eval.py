@@ -9,7 +9,7 @@ import torch
 from torchkv.eval import runner
 from torchkv.eval.data import SPLITS, documents, split_articles
 from torchkv.eval.perplexity import perplexity
-from torchkv.eval.report import markdown_table, pareto_points, plots
+from torchkv.eval.report import markdown_table, pareto_points, plots, tuned_curves
 from torchkv.eval.retrieval import cases, retrieval
 from torchkv.eval.rows import cache_nbytes, method
 from torchkv.eval.runner import EvalSettings, run_eval
@@ -151,3 +151,14 @@ def test_pareto_marks_frontiers_and_rows_ahead_on_both():
     assert [n for n, p in points.items() if p["speed_frontier"]] == ["a", "d"]
     assert points["c"]["dominated_by"] == ["b"] and points["b"]["dominated_by"] == []
     assert abs(points["a"]["bits"] - 2) < 1e-9 and abs(points["d"]["decode_ratio"] - 1.5) < 1e-9
+
+
+def test_tuned_rows_are_drawn_as_one_curve_per_starting_row(tmp_path):
+    rows = [_row("dynamic", 16, 0, 10), _row("kivi-2bit", 3, 13, 9), _row("tuned:kivi-2bit@3", 3, 4, 9),
+            _row("tuned:kivi-2bit@2", 2, 9, 9), _row("tuned:frontier-2bit@2", 2, 2, 10)]
+    results = {"meta": {"reference": "dynamic", "values_per_token": 1, "model": "m", "machine": {"cpu_count": 2}},
+               "rows": rows}
+    curves = tuned_curves([(p["name"], p["bits"], p["ppl_increase"]) for p in pareto_points(results)])
+    assert curves == {"kivi-2bit": [(pytest.approx(2), pytest.approx(9)), (pytest.approx(3), pytest.approx(4))],
+                      "frontier-2bit": [(pytest.approx(2), pytest.approx(2))]}
+    assert {p.name for p in plots(results, tmp_path)} == {"ppl_vs_bits.png", "decode_speed.png", "pareto.png"}

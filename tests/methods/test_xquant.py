@@ -179,7 +179,7 @@ def _lossless(form: str, cross_layer: bool) -> KVPipeline:
         return KVPipeline(*plain, residual=0, chunk=16, compile=False)
     delta = T.predict("delta", subspace=form == "gqa", basis_dtype="float32")
     keys = [T.rotate("pre_rope"), weights(side="k", basis="input"), delta, cast()]
-    return KVPipeline(keys, x_cache[1], residual=0, chunk=16, compile=False, first_layers=[plain, x_cache])
+    return KVPipeline(keys, x_cache[1], residual=0, chunk=16, compile=False, layers={0: plain, 1: x_cache})
 
 
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["xquant", "cl"])
@@ -255,7 +255,7 @@ def test_auto_picks_mha_or_gqa_from_the_shapes_and_accounts_real_storage():
 def _normalized(pipe: KVPipeline, weights: list[ProjectionWeights], heads: int, head_dim: int, layers: int) -> Fraction:
     """Measured bits per value over `layers` layers, over FP16's 16 (layers past the first ones are alike: the
     main chains are fitted and measured at one of them)."""
-    _fit(pipe, weights[:1] * min(layers, pipe.n_first + 1))
+    _fit(pipe, weights[:1] * min(layers, len(pipe.layer_chains) + 1))
     bits = pipe.bits_per_value(heads, head_dim, layers=layers)
     return Fraction(bits.mean).limit_denominator(1 << 20) / 16
 

@@ -144,6 +144,20 @@ def pareto_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def tuned_curves(points: list[tuple[str, float, float]]) -> dict[str, list[tuple[float, float]]]:
+    """(name, bits, value) points of tuned rows (`tuned:ROW@BITS`) as one curve per starting row, by bits."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for name, bits, value in points:
+        if name.startswith("tuned:"):
+            curves.setdefault(name.removeprefix("tuned:").rpartition("@")[0], []).append((bits, value))
+    return {start: sorted(line) for start, line in curves.items()}
+
+
+def _draw_tuned(ax, points: list[tuple[str, float, float]]) -> None:
+    for start, line in tuned_curves(points).items():
+        ax.plot(*zip(*line), marker=".", linewidth=1.2, alpha=0.8, label=f"tuned {start} (budget sweep)")
+
+
 def _pareto_plot(results: dict, out_dir: Path, plt) -> Path | None:
     """Two panels against cache bits per value: perplexity increase, and decode speed; frontiers drawn."""
     points = pareto_points(results)
@@ -164,6 +178,7 @@ def _pareto_plot(results: dict, out_dir: Path, plt) -> Path | None:
             ax.annotate(p["name"], (p["bits"], p[key]), textcoords="offset points", xytext=(4, 3), fontsize=7)
         line = sorted((p["bits"], p[key]) for p in points if p[frontier])
         ax.step(*zip(*line), where="post", color="tab:red", alpha=0.6, label="frontier")
+        _draw_tuned(ax, [(p["name"], p["bits"], p[key]) for p in points])
         ax.set_xlabel("measured cache bits per value (windows and metadata included)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
@@ -192,14 +207,19 @@ def plots(results: dict, out_dir: str | Path) -> list[Path]:
     if ref and ref.get("ppl"):
         ctx = next(iter(ref["ppl"]["streaming"]))
         fig, ax = plt.subplots(figsize=(7, 4.5))
+        drawn = []
         for row in results["rows"]:
             bits, value = cache_bits(results, row), row.get("ppl", {}).get("streaming", {}).get(ctx)
             if row is ref or bits is None or value is None:
                 continue
             increase = max(100 * (value / ref["ppl"]["streaming"][ctx] - 1), 1e-3)
+            drawn.append((row["name"], bits, increase))
             marker = "s" if row["kind"] == "quanto" else "o"
             ax.scatter(bits, increase, marker=marker, s=50)
             ax.annotate(row["name"], (bits, increase), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        _draw_tuned(ax, drawn)
+        if tuned_curves(drawn):
+            ax.legend(fontsize=7)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_yscale("log")

@@ -3,6 +3,7 @@
 import ast
 import contextlib
 import copy
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache
 from torchkv.pipeline import CONFIG_FILE, KVPipeline
 
+TUNED = "tuned:"
 #: baseline rows: transformers' full-precision cache and its quanto-quantized cache (KIVI-like window 128)
 BASELINES = {"dynamic": None, "quanto-4bit": 4, "quanto-2bit": 2}
 
@@ -27,6 +29,24 @@ class Method:
     name: str
     pipeline: KVPipeline | None = None
     nbits: int | None = None
+    #: a tuned row before `tune_for` runs: the row it starts from and the budget in stored bits per value
+    tuning: tuple["Method", float] | None = None
+    #: what tuning reported (`torchkv.tuning.tune`)
+    tune_report: dict | None = None
+
+    def tune_for(self, model, tokenizer, tokens: int, out_dir: Path | None, progress: bool = True) -> None:
+        """Tune a tuned row on `model` (on `tokens` of the calibration split; one sensitivity measurement per
+        starting row and model serves every budget), and save its pipeline under `out_dir/tuned/` when given."""
+        from torchkv.tuning import tuned_on_calibration_split
+
+        start, budget = self.tuning
+        self.pipeline, self.tune_report = tuned_on_calibration_split(
+            start.pipeline, model, tokenizer, budget, tokens, progress)
+        self.pipeline.name = self.name
+        if out_dir is not None:
+            folder = out_dir / "tuned" / self.name.removeprefix(TUNED).replace("/", "_").replace(":", "_")
+            self.pipeline.save_pretrained(folder)
+            (folder / "tune.json").write_text(json.dumps(self.tune_report, indent=2))
 
     def reads_layer_input(self, model) -> bool:
         """The row's cache stores a function of each layer's input X (XQuant), which captures must record."""
@@ -34,7 +54,7 @@ class Method:
 
     @property
     def kind(self) -> str:
-        if self.pipeline is not None:
+        if self.pipeline is not None or self.tuning is not None:
             return "torchkv"
         return "dynamic" if self.nbits is None else "quanto"
 
@@ -96,7 +116,21 @@ def _option(text: str) -> tuple[str, object]:
 
 def method(name: str) -> Method:
     """A row by name: a baseline name (see `BASELINES`), a torchkv preset, optionally with overrides
-    after colons (`kivi-2bit:residual=32:sinks=4`), or a folder a pipeline was saved in (`torchkv calibrate`)."""
+    after colons (`kivi-2bit:residual=32:sinks=4`), a folder a pipeline was saved in (`torchkv calibrate`,
+    `torchkv tune`), or `tuned:ROW@BITS`, ROW tuned to BITS stored bits per value on the model evaluated
+    (`Method.tune_for`)."""
+    if name.startswith(TUNED):
+        start, sep, budget = name.removeprefix(TUNED).rpartition("@")
+        try:
+            bits = float(budget)
+        except ValueError:
+            bits = None
+        if not sep or not start or bits is None:
+            raise ValueError(f"a tuned row is written tuned:ROW@BITS, e.g. tuned:kivi-2bit@2.5; got {name!r}")
+        base = method(start)
+        if base.pipeline is None:
+            raise ValueError(f"{name!r}: only torchkv rows can be tuned, and {start!r} is a baseline")
+        return Method(name, tuning=(base, bits))
     if name in BASELINES:
         return Method(name, nbits=BASELINES[name])
     if (Path(name) / CONFIG_FILE).is_file():

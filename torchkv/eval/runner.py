@@ -38,6 +38,8 @@ class EvalSettings:
     new_tokens: int = 32
     seed: int = 0
     split: str = "eval"
+    #: calibration tokens a tuned row (`tuned:ROW@BITS`) measures its sensitivities on
+    tune_tokens: int = 32768
 
     def __post_init__(self):
         if self.split != "eval":
@@ -52,7 +54,7 @@ class EvalSettings:
 
 
 QUICK = EvalSettings(ppl_docs={2048: 1}, retrieval_contexts=(2048,), retrieval_cases=10, speed_contexts=(2048,),
-                     new_tokens=16)
+                     new_tokens=16, tune_tokens=4096)
 
 
 def machine() -> dict:
@@ -100,6 +102,8 @@ def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     out: dict = {"name": row.name, "kind": row.kind, "config": row.config()}
+    if row.tune_report is not None:
+        out["tuning"] = row.tune_report
     if row.pipeline is not None:
         out["bits_per_value"] = dataclasses.asdict(row.pipeline.for_model(model).bits_per_value(
             config.num_key_value_heads, head_dim, layers=config.num_hidden_layers))
@@ -145,6 +149,9 @@ def run_eval(
         },
         "rows": [],
     }
+    for row in rows:
+        if row.tuning is not None:
+            row.tune_for(model, tokenizer, settings.tune_tokens, None if out is None else Path(out).parent, progress)
     scored = {c: retrieval(model, case_sets[c], rows, progress) for c in settings.retrieval_contexts}
     for row in rows:
         results["rows"].append(evaluate_row(model, tokenizer, row, settings, scored, progress))

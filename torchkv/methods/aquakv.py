@@ -39,7 +39,7 @@ def aquakv(
     return KVPipeline(
         keys=[T.rotate("pre_rope"), *key_predictor, *higgs(bits)],
         values=[*value_predictor, *higgs(bits)],
-        first_layers=[([T.rotate("pre_rope"), *higgs(first_bits)], higgs(first_bits))],
+        layers={0: ([T.rotate("pre_rope"), *higgs(first_bits)], higgs(first_bits))},
         residual=residual,
         sinks=sinks,
         chunk=chunk,

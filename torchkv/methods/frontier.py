@@ -54,7 +54,7 @@ def frontier(
         return (_keys(width, dim, span, center, balance, scale_dtype), _values(width, values, dim, span, scale_dtype))
 
     keys, vals = chains(bits)
-    return KVPipeline(keys, vals, first_layers=[chains(wide_bits)] * wide_layers or None, residual=residual,
+    return KVPipeline(keys, vals, layers=dict.fromkeys(range(wide_layers), chains(wide_bits)), residual=residual,
                       sinks=sinks, chunk=chunk)
 
 

@@ -208,7 +208,7 @@ def xquant(
     form = "gqa" if attention == "auto" else attention
     keys, values = _plain(bits, form, group, token_group, outliers)
     return KVPipeline(keys, values, residual=residual, chunk=group,
-                      first_layers=[_plain(first_bits, form, group, token_group, outliers) for _ in range(first_layers)])
+                      layers=dict.fromkeys(range(first_layers), _plain(first_bits, form, group, token_group, outliers)))
 
 
 def xquant_cl(
@@ -226,7 +226,7 @@ def xquant_cl(
     delta = [T.predict("delta", subspace=form == "gqa")]
     keys, values = _x_cache(bits, token_group, delta)
     return KVPipeline(keys, values, residual=residual, chunk=group,
-                      first_layers=[*before_base, _x_cache(first_bits, token_group)])
+                      layers=dict(enumerate([*before_base, _x_cache(first_bits, token_group)])))
 
 
 def attention_form(config) -> dict[str, str]:

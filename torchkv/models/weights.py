@@ -57,7 +57,7 @@ def specialize(pipe: KVPipeline, model: nn.Module) -> KVPipeline:
         derived = preset.for_model(model.config.get_text_config(decoder=True))
         options = {**pipe.options, **{k: derived[k] for k in auto}}
         built = preset.build(**options).config()
-        config.update(options=options, keys=built["keys"], values=built["values"], first_layers=built["first_layers"])
+        config.update(options=options, keys=built["keys"], values=built["values"], layers=built["layers"])
     out = KVPipeline.from_config(config)
     out.compile = pipe.compile
     out.load_params(pipe.params())

@@ -1,0 +1,115 @@
+"""Per-layer chains in a pipeline, the tuner's candidates and sensitivities, and `tune` end to end."""
+
+import json
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import torchkv
+import torchkv.transforms as T
+from torchkv.pipeline import KVPipeline
+from torchkv.testing import tiny_model
+from torchkv.tuning import candidates, measure, tune
+from torchkv.tuning.candidates import rewidth
+
+IDS = torch.randint(3, 128, (3, 256), generator=torch.Generator().manual_seed(0))
+
+
+def _kivi(bits: int) -> tuple[list, list]:
+    return ([T.quantize(bits=bits, axis="channel", group=16), T.pack()],
+            [T.quantize(bits=bits, axis="token", group=16), T.pack()])
+
+
+def test_layers_with_equal_chains_share_them_and_round_trip(tmp_path):
+    pipe = KVPipeline(*_kivi(4), layers={0: _kivi(2), 2: _kivi(2), 3: _kivi(4)}, residual=16)
+    assert set(pipe.layer_chains) == {0, 2}  # layer 3's chains are the main ones
+    assert pipe.layer_chains[0][0] is pipe.layer_chains[2][0]
+    assert pipe.for_layer(0) is pipe.for_layer(2) and pipe.for_layer(1) is pipe.for_layer(3) is pipe
+    assert [g[0] for g in pipe.layer_groups(4)] == [[0, 2], [1, 3]]
+    assert "layers 0,2: keys=[quantize.uniform(bits=2" in repr(pipe)
+    assert "every layer: keys scored from the stored form" in pipe.explain(4)
+    pipe.save_pretrained(tmp_path)
+    loaded = KVPipeline.from_pretrained(tmp_path)
+    assert loaded.config() == pipe.config()
+    bits = loaded.bits_per_value(2, 32, layers=4)
+    assert bits.keys == pytest.approx((KVPipeline(*_kivi(2)).bits_per_value(2, 32).keys + 4 + 2) / 2)
+
+
+def test_a_config_saved_with_first_layers_loads_them_as_per_layer_chains():
+    config = KVPipeline(*_kivi(2), residual=16).config()
+    del config["layers"]
+    config["first_layers"] = [{"keys": [t.spec() for t in KVPipeline(*_kivi(4)).keys.transforms],
+                               "values": [t.spec() for t in KVPipeline(*_kivi(4)).values.transforms]}]
+    pipe = KVPipeline.from_config(config)
+    assert list(pipe.layer_chains) == [0] and pipe.for_layer(0).keys.transforms[0].config.bits == 4
+
+
+def _graphs_for(layer_chains: list, steps: int = 300) -> tuple[int, int]:
+    """Compiled graphs added by a prompt and `steps` greedy decode steps, and those added after step 100."""
+    model = tiny_model("llama", layers=len(layer_chains))
+    pipe = KVPipeline(*layer_chains[-1], layers=dict(enumerate(layer_chains)), residual=16)
+    start = counters["stats"]["unique_graphs"]
+    with torchkv.patched(model, pipe), torch.no_grad():
+        cache = torchkv.new_cache(model)
+        logits = model(IDS[:1, :50], past_key_values=cache).logits
+        for step in range(steps):
+            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            if step == 100:
+                middle = counters["stats"]["unique_graphs"]
+    return counters["stats"]["unique_graphs"] - start, counters["stats"]["unique_graphs"] - middle
+
+
+def test_mixed_layers_compile_one_set_of_graphs_per_distinct_setting_and_none_as_length_grows():
+    uniform, _ = _graphs_for([_kivi(2), _kivi(2)])
+    mixed, late = _graphs_for([_kivi(2), _kivi(4), _kivi(2), _kivi(4), _kivi(2), _kivi(4)])
+    assert late == 0, f"{late} graphs compiled after decode step 100"
+    assert mixed <= 2 * uniform, f"{mixed} graphs for 2 settings over 6 layers, {uniform} for one setting"
+
+
+def test_candidates_keep_decode_reading_and_their_bits_are_the_closed_form():
+    pipe = KVPipeline.from_preset("kivi-2bit")
+    options = candidates(pipe, kv_heads=3, head_dim=64)
+    for side, cands in options.items():
+        assert [c.bits for c in cands] == sorted(c.bits for c in cands)
+        for c in cands:
+            chain = torchkv.pipeline.Chain(list(c.transforms))
+            assert chain.scores_stored and chain.sums_stored
+            group = c.transforms[0].config.group
+            assert c.bits == pytest.approx(c.width + 2 * 16 / group)  # fp16 scale and zero per group
+    frontier = KVPipeline.from_preset("frontier-2bit")
+    k = rewidth(frontier.keys, 4)
+    assert k[0] is frontier.keys.transforms[0] and (k[1].config.bits, k[1].config.dim) == (4, 2)  # no 4-D 4-bit grid
+    assert rewidth(KVPipeline.from_preset("fp16").keys, 2) is None  # nothing to rewiden
+
+
+def test_sensitivities_fall_with_width_and_tune_meets_the_budget(tmp_path):
+    model = tiny_model("llama", layers=3)
+    pipe = KVPipeline.from_preset("kivi-2bit", group=16, residual=16)
+    sensitivity = measure(pipe, model, IDS, progress=False)
+    for layer in range(3):
+        for side, cands in sensitivity.candidates[layer].items():
+            at_g16 = {c.width: cost for c, cost in zip(cands, sensitivity.costs[layer][side]) if c.group_scale == 1}
+            assert at_g16[1] > at_g16[2] > at_g16[4] > at_g16[8] > 0, (layer, side, at_g16)
+    tuned, report = tune(pipe, model, IDS, budget=2.6, progress=False)
+    bits = tuned.bits_per_value(2, 32, layers=3)
+    assert bits.mean <= 2.6 + 1e-9 and bits.mean == pytest.approx(report["bits_per_value"])
+    assert report["tokens"] == IDS.numel() and report["seconds"] > 0 and report["peak_rss_mib"] > 0
+    tuned.save_pretrained(tmp_path)
+    (tmp_path / "tune.json").write_text(json.dumps(report))
+    with torchkv.patched(model, str(tmp_path)), torch.no_grad():
+        out = model.generate(IDS[:1, :40], max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 45)
+    other = tiny_model("llama", layers=3, kv_heads=4)
+    with pytest.raises(ValueError, match=r"tuned for another model \(differs in \['config_sha1', 'kv_heads'\]"):
+        torchkv.patch(other, str(tmp_path))
+
+
+def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():
+    model = tiny_model("llama", layers=2)
+    pipe = KVPipeline.from_preset("kivi-2bit", group=16, residual=16)
+    for budget in (0.5, 17.0):
+        with pytest.raises(ValueError, match=r"outside what tuning can meet: the candidate settings reach 1\.75 to 10 "):
+            tune(pipe, model, IDS, budget=budget, progress=False)
+    with pytest.raises(ValueError, match="uncalibrated transforms .*`torchkv calibrate --preset aquakv-2bit"):
+        tune(KVPipeline.from_preset("aquakv-2bit"), model, IDS, budget=2.5, progress=False)

@@ -1,0 +1,166 @@
+"""`torchkv tune`: per-layer, per-K/V widths of a pipeline, chosen by measured sensitivity to meet a bit budget.
+
+Each layer's keys and values may take any candidate width of the pipeline's own chains (`candidates`); the cost
+of each is its estimated next-token KL divergence on calibration text (`sensitivity`), and the choice that
+minimises the summed cost within the budget of stored bits per value is exact (`allocate`).
+"""
+
+import collections
+import json
+import time
+import weakref
+from typing import Any
+
+
+from torchkv.eval.memory import peak_rss, reset_peak
+from torchkv.pipeline import KVPipeline
+from torchkv.tuning.allocate import allocate
+from torchkv.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, tuned_chunk
+from torchkv.tuning.sensitivity import Sensitivity, measure
+
+#: bits per value of an uncompressed (float16) cache: a budget above it is an error
+FULL_PRECISION = 16.0
+
+__all__ = ["CANDIDATE_BITS", "Candidate", "Sensitivity", "candidates", "measure", "allocate", "tune", "tuned_pipeline",
+           "check_tunable", "reachable",
+           "calibration_sensitivity", "tuned_on_calibration_split"]
+
+
+def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
+    """`pipe` for `model`, calibrated for it; a clear error where it must be calibrated first."""
+    from torchkv.models.calibrate import fingerprint
+
+    pipe = pipe.for_model(model)
+    config = model.config.get_text_config(decoder=True)
+    if pipe.needs_fit:
+        pipe.check_fitted(config.num_hidden_layers, fingerprint(model))  # asks for `torchkv calibrate` when unfitted
+    return pipe
+
+
+def reachable(pipe: KVPipeline, model) -> tuple[float, float]:
+    """Least and most stored bits per value (mean over layers, keys and values) the candidates reach on `model`."""
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_group: dict[int, dict[str, list[Candidate]]] = {}
+    low = high = 0.0
+    for i in range(config.num_hidden_layers):
+        layer_pipe = pipe.for_layer(i)
+        options = per_group.setdefault(id(layer_pipe), candidates(layer_pipe, config.num_key_value_heads, head_dim))
+        low += sum(c[0].bits for c in options.values()) / 2
+        high += sum(c[-1].bits for c in options.values()) / 2
+    return low / config.num_hidden_layers, high / config.num_hidden_layers
+
+
+def check_budget(budget: float, low: float, high: float) -> None:
+    if not low <= budget <= FULL_PRECISION:
+        raise ValueError(f"budget={budget:g} bits per value is outside what tuning can meet: the candidate settings "
+                         f"reach {low:.4g} to {high:.4g} bits per value (full precision is {FULL_PRECISION:g})")
+
+
+def tuned_pipeline(sensitivity: Sensitivity, budget: float) -> tuple[KVPipeline, dict[str, Any]]:
+    """The pipeline whose per-layer, per-side candidates minimise the summed estimated KL within `budget` stored
+    bits per value (mean over layers, keys and values), and a report of the choice."""
+    base = sensitivity.pipeline
+    items = [(layer, side) for layer in range(len(sensitivity.costs)) for side in ("k", "v")]
+    bits = [[c.bits for c in sensitivity.candidates[layer][side]] for layer, side in items]
+    costs = [sensitivity.costs[layer][side] for layer, side in items]
+    choice = dict(zip(items, allocate(bits, costs, budget)))
+    chosen = [tuple(sensitivity.candidates[layer][side][choice[layer, side]] for side in ("k", "v"))
+              for layer in range(len(sensitivity.costs))]
+    main_k, main_v = collections.Counter(chosen).most_common(1)[0][0]
+    chosen_all = [c for pair in chosen for c in pair]
+    pipe = KVPipeline(list(main_k.transforms), list(main_v.transforms),
+                      layers={i: (list(k.transforms), list(v.transforms)) for i, (k, v) in enumerate(chosen)},
+                      residual=base.residual, sinks=base.sinks, chunk=tuned_chunk(base, [c.transforms for c in chosen_all]),
+                      window=base.window, compile=base.compile)
+    pipe.name, pipe.options, pipe.fitted_for = f"tuned:{base.name}@{budget:g}", dict(base.options), base.fitted_for
+    report = {
+        "budget": budget,
+        "bits_per_value": sum(k.bits + v.bits for k, v in chosen) / (2 * len(chosen)),
+        "predicted_kl": sum(costs[n][choice[item]] for n, item in enumerate(items)),
+        "layers": [{"layer": i, "keys": k.label, "values": v.label, "key_bits": k.bits, "value_bits": v.bits,
+                    "key_kl": sensitivity.costs[i]["k"][choice[i, "k"]],
+                    "value_kl": sensitivity.costs[i]["v"][choice[i, "v"]]} for i, (k, v) in enumerate(chosen)],
+    }
+    return pipe, report
+
+
+def tune(
+    pipe: KVPipeline,
+    model,
+    texts,
+    *,
+    budget: float,
+    tokenizer=None,
+    seq_len: int = 1024,
+    max_tokens: int = 32768,
+    batch: int = 1,
+    progress: bool = True,
+) -> tuple[KVPipeline, dict[str, Any]]:
+    """Tune `pipe` on `model` for a budget of stored bits per value (see the module docstring).
+
+    Args:
+        pipe: the pipeline to start from (a preset, or a calibrated folder's pipeline).
+        texts: calibration strings (tokenized with `tokenizer`, cut into `seq_len`-token windows) or ids [N, T].
+        max_tokens: calibration tokens used at most; batch: windows per forward and backward pass.
+
+    Returns:
+        the tuned pipeline (marked as tuned for `model`, `KVPipeline.tuned_for`) and a report: the choice per
+        layer, measured bits, predicted KL, the sensitivity table, tokens, seconds and peak resident memory.
+    """
+    from torchkv.models.calibrate import _windows
+
+    started = time.perf_counter()
+    resettable = reset_peak()
+    pipe = check_tunable(pipe, model)
+    check_budget(budget, *reachable(pipe, model))
+    ids = _windows(tokenizer, texts, seq_len, max_tokens)
+    sensitivity = measure(pipe, model, ids, batch=batch, progress=progress)
+    tuned, report = _tuned(sensitivity, model, budget)
+    report.update(seconds=time.perf_counter() - started, peak_rss_mib=peak_rss() / 2**20,
+                  peak_rss_since="tune" if resettable else "process start")
+    return tuned, report
+
+
+def _tuned(sensitivity: Sensitivity, model, budget: float) -> tuple[KVPipeline, dict[str, Any]]:
+    from torchkv.models.calibrate import fingerprint
+
+    tuned, report = tuned_pipeline(sensitivity, budget)
+    tuned.tuned_for = fingerprint(model)
+    report.update(
+        preset=sensitivity.pipeline.name, tokens=sensitivity.tokens, seq_len=sensitivity.seq_len,
+        measure_seconds=sensitivity.seconds,
+        sensitivity=[{side: dict(zip((c.label for c in sensitivity.candidates[i][side]), costs))
+                      for side, costs in layer.items()} for i, layer in enumerate(sensitivity.costs)],
+    )
+    return tuned, report
+
+
+#: sensitivities measured on the calibration split, by model and by starting pipeline and token count
+_MEASURED: "weakref.WeakKeyDictionary[Any, dict[str, Sensitivity]]" = weakref.WeakKeyDictionary()
+
+
+def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32768,
+                            progress: bool = True) -> Sensitivity:
+    """`measure` on `tokens` of the Wikipedia calibration split in 1,024-token windows, once per model and
+    starting pipeline (a sweep of budgets costs one measurement)."""
+    from torchkv.eval.data import split_articles
+    from torchkv.models.calibrate import _windows
+
+    pipe = check_tunable(pipe, model)
+    key = json.dumps([pipe.config(), tokens], sort_keys=True, default=str)
+    measured = _MEASURED.setdefault(model, {})
+    if key not in measured:
+        ids = _windows(tokenizer, [text for _, text in split_articles("calibration")], 1024, tokens)
+        measured[key] = measure(pipe, model, ids, progress=progress)
+    return measured[key]
+
+
+def tuned_on_calibration_split(pipe: KVPipeline, model, tokenizer, budget: float, tokens: int = 32768,
+                               progress: bool = True) -> tuple[KVPipeline, dict[str, Any]]:
+    """`tune` on the calibration split, its sensitivities from `calibration_sensitivity`."""
+    started = time.perf_counter()
+    check_budget(budget, *reachable(check_tunable(pipe, model), model))
+    tuned, report = _tuned(calibration_sensitivity(pipe, model, tokenizer, tokens, progress), model, budget)
+    report["seconds"] = time.perf_counter() - started
+    return tuned, report

@@ -1,0 +1,107 @@
+"""The settings a tuned layer's keys or values may take: the preset's chain with its quantizers at another width."""
+
+import dataclasses
+import itertools
+import math
+
+from torchkv.pipeline import Chain, KVPipeline
+from torchkv.transforms import Transform
+from torchkv.transforms.quantizers import HIGGS_SHAPES
+
+#: widths tried for every quantizer of a chain (those a quantizer refuses, or that would make decode attention
+#: rebuild what the preset reads from its stored form, are left out)
+CANDIDATE_BITS = (1, 2, 3, 4, 8)
+#: multiples of a quantizer's group tried with each width (groups share metadata: larger ones cost fewer bits)
+GROUP_SCALES = (1, 2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One setting of one side: its transforms, a label, its measured stored bits per value, and the width and
+    group multiple (`rewidth`) it was made with."""
+
+    label: str
+    transforms: tuple[Transform, ...]
+    bits: float
+    width: int
+    group_scale: int
+
+
+def rewidth(chain: Chain, bits: int, group_scale: int = 1) -> list[Transform] | None:
+    """`chain`'s transforms with every quantizer at `bits` bits per value (a HIGGS grid of the largest dimension
+    that has that width where the chain's own has not) and its group, where it has one, `group_scale` times as
+    large; packs re-derived from them, other transforms (and their fitted parameters) kept. None when the chain
+    has no quantizer with a width (or, for `group_scale` > 1, with a group), or one refuses the setting."""
+    out, changed = [], False
+    for t in chain.transforms:
+        config = dataclasses.asdict(t.config)
+        if t.kind == "quantize" and isinstance(config.get("bits"), int):
+            config["bits"], changed = bits, True
+            if t.name == "higgs" and (bits, config["dim"]) not in HIGGS_SHAPES:
+                dims = [d for b, d in HIGGS_SHAPES if b == bits]
+                if not dims:
+                    return None
+                config["dim"] = max(dims)
+            if group_scale > 1:
+                if not isinstance(config.get("group"), int):
+                    return None
+                config["group"] *= group_scale
+        elif t.kind == "pack":
+            config["bits"] = None
+        else:
+            out.append(t)
+            continue
+        try:
+            out.append(type(t)(**config))
+        except ValueError:
+            return None
+    return out if changed else None
+
+
+def _label(transforms: list[Transform]) -> str:
+    quantizers = [t for t in transforms if t.kind == "quantize" and hasattr(t.config, "bits")]
+    return "+".join(f"{t.name}{t.config.bits}" + (f"x{t.config.dim}" if t.name == "higgs" else "")
+                    + (f"/g{t.config.group}" if isinstance(getattr(t.config, "group", None), int) else "")
+                    for t in quantizers)
+
+
+def candidates(pipe: KVPipeline, kv_heads: int, head_dim: int, widths=CANDIDATE_BITS,
+               group_scales=GROUP_SCALES) -> dict[str, list[Candidate]]:
+    """Each side's candidate settings ("k", "v"), cheapest first, with their stored bits per value measured on
+    the real state tensors of one chunk (`KVPipeline.bits_per_value`) at the model's KV shapes. Every candidate
+    keeps the preset's decode reading: a chain that decode attention scores (sums) from its stored form stays so.
+    A candidate whose token group exceeds the pipeline's chunk needs a larger chunk (`tuned_chunk`)."""
+    out = {}
+    for side, chain, other in (("k", pipe.keys, pipe.values), ("v", pipe.values, pipe.keys)):
+        found: dict[str, Candidate] = {}
+        for width, scale in itertools.product(widths, group_scales):
+            transforms = rewidth(chain, width, scale)
+            if transforms is None:
+                continue
+            try:
+                variant = Chain(transforms)
+            except ValueError:
+                continue
+            if any((variant.rebuilds[use] is None) != (chain.rebuilds[use] is None) for use in ("scores", "sums")):
+                continue
+            pair = (variant.transforms, other.transforms) if side == "k" else (other.transforms, variant.transforms)
+            chunk = math.lcm(pipe.chunk, variant.token_multiple)
+            trial = KVPipeline(*pair, residual=pipe.residual, sinks=pipe.sinks, chunk=chunk, compile=False)
+            try:  # a dry run at the model's shapes: a group the head dimension does not divide is refused here
+                bits = trial.bits_per_value(kv_heads, head_dim)
+            except ValueError:
+                continue
+            label = _label(variant.transforms)
+            found.setdefault(label, Candidate(label, tuple(variant.transforms), bits.keys if side == "k" else bits.values,
+                                              width, scale))
+        if not found:
+            raise ValueError(f"pipeline '{pipe.name}': its {'key' if side == 'k' else 'value'} chain "
+                             f"{chain.transforms} has no quantizer that takes any of the widths {widths}; "
+                             "tuning chooses widths per layer")
+        out[side] = sorted(found.values(), key=lambda c: c.bits)
+    return out
+
+
+def tuned_chunk(pipe: KVPipeline, chains: list[tuple[Transform, ...]]) -> int:
+    """The chunk of a pipeline made of `pipe`'s window rules and `chains`: a multiple of every chain's token group."""
+    return math.lcm(pipe.chunk, *(Chain(list(c)).token_multiple for c in chains))

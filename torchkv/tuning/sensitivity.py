@@ -1,0 +1,203 @@
+"""How much each layer's keys and each layer's values cost in next-token KL divergence at each candidate width.
+
+The cost of storing layer ℓ's keys (or values) with candidate c is the KL divergence of the model's next-token
+distributions from the full-precision ones when only that side of that layer is compressed. To second order it
+is `½ δᵀ F δ`, with δ the reconstruction error and F the Fisher information of the outputs with respect to the
+layer's keys (values). One backward pass per calibration batch gives, for labels sampled from the model's own
+distribution, a gradient g with `E[g gᵀ] = F`; the cost is then estimated as `½ Σ_t (g_t · δ_t)²` over the
+tokens t and KV heads (errors of different tokens taken as independent), for every candidate from one pass.
+"""
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from torchkv.models import arch
+from torchkv.pipeline import KVPipeline, _sub
+from torchkv.tuning.candidates import Candidate, candidates, tuned_chunk
+
+TUNE_NAME = "torchkv_tune"
+
+
+@dataclasses.dataclass
+class Probe:
+    """One layer's attention inputs `[B, H(q), T, D]` and the zero leaves added to its keys and values, whose
+    gradients are the loss's with respect to them; `x`: the attention block's input `[B, T, d]`."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    x: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def _probed(model: nn.Module, probes: dict[int, Probe]) -> Iterator[None]:
+    """Attention runs as SDPA over `keys + dk`, `values + dv` and records a `Probe` per layer; the model's
+    parameters are frozen meanwhile (gradients flow from the probes on only)."""
+    inputs: dict[int, torch.Tensor] = {}
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        dk = torch.zeros_like(key, requires_grad=True)
+        dv = torch.zeros_like(value, requires_grad=True)
+        probes[module.layer_idx] = Probe(query.detach(), key.detach(), value.detach(), dk, dv,
+                                         inputs.pop(module.layer_idx, None))
+        return sdpa_attention_forward(module, query, key + dk, value + dv, attention_mask, **kwargs)
+
+    def record_input(i: int):
+        def pre(module, args, kwargs):
+            inputs[i] = arch.attention_input(args, kwargs).detach()
+
+        return pre
+
+    AttentionInterface.register(TUNE_NAME, attention)
+    AttentionMaskInterface.register(TUNE_NAME, sdpa_mask)
+    handles = [m.register_forward_pre_hook(record_input(i), with_kwargs=True)
+               for i, m in enumerate(arch.attention_modules(model))]
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(TUNE_NAME)
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        for h in handles:
+            h.remove()
+
+
+@dataclasses.dataclass
+class Sensitivity:
+    """Measured costs of a pipeline's candidate settings on one model.
+
+    Attributes:
+        pipeline: the pipeline tuned from (for the model: `KVPipeline.for_model`).
+        candidates: per layer, each side's candidates ("k", "v"), cheapest first.
+        costs: per layer and side, the estimated KL divergence (nats per scored token) of each candidate.
+        tokens: scored calibration tokens, in windows of `seq_len`; seconds: the measurement's duration.
+    """
+
+    pipeline: KVPipeline
+    candidates: list[dict[str, list[Candidate]]]
+    costs: list[dict[str, list[float]]]
+    tokens: int
+    seq_len: int
+    seconds: float
+
+
+def _flush_span(pipe: KVPipeline, tokens: int) -> tuple[int, int]:
+    """Token range [start, end) of a `tokens`-token prompt that the cache stores encoded (`KVStore.append`)."""
+    total = tokens - min(pipe.sinks, tokens)
+    limit = pipe.residual + pipe.chunk
+    flush = ((total - limit) // pipe.chunk + 1) * pipe.chunk if total >= limit else 0
+    return tokens - total, tokens - total + flush
+
+
+def _reconstruct(pipe: KVPipeline, layer: int, probe: Probe, span: tuple[int, int], inputs: dict,
+                 side: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The reconstruction error `[B, H, T', D]` of the layer's keys ("k") and values ("v") over `span` as `pipe`
+    stores and rebuilds them (only `side`'s where given and the pipeline does not predict across layers), and
+    its carry for the next layer (pipelines that predict across layers)."""
+    start, end = span
+    whole = {n: t for n, t in inputs.items() if not n.startswith("previous.")}  # the prompt, as `prepare` reads it
+    own = {n: (t[:, start:end] if n in ("cos", "sin", "x") else t) for n, t in inputs.items() if n != "queries"}
+    x = {"k": probe.key, "v": probe.value}
+    params = pipe.layer_params(layer)
+    if side is not None and not pipe.carries:
+        chain, p = (pipe.keys, _sub(params, "k.")) if side == "k" else (pipe.values, _sub(params, "v."))
+        prepared = chain.prepare(x[side].float(), p, None, whole) if chain.needs_prepare else {}
+        target = x[side][:, :, start:end].float()
+        encoded = chain.encode(target, p, prepared, None, own)
+        return {side: chain.decode(encoded, target.shape[-1], p, prepared, own) - target}, {}
+    prepared = pipe.prepare(x["k"].float(), x["v"].float(), layer=layer, inputs=whole) if pipe.needs_prepare else {}
+    k, v = (x[s][:, :, start:end].float() for s in ("k", "v"))
+    state = pipe._encode(k, v, params, prepared, None, own)
+    carry = {s: state.pop(f"carry.{s}") for s in ("k", "v") if f"carry.{s}" in state}
+    k_hat, v_hat, *_ = pipe._decode(state, k.shape[-1], params, prepared, own)
+    return {"k": k_hat - k, "v": v_hat - v}, carry
+
+
+def _trials(pipe: KVPipeline, layer: int, options: dict[str, list[Candidate]]) -> dict[tuple[str, int], KVPipeline]:
+    """An eager pipeline per (side, candidate index): the candidate on that side, the layer's own chain on the other."""
+    base = pipe.for_layer(layer)
+    out = {}
+    for side, cands in options.items():
+        for j, c in enumerate(cands):
+            keys, values = (c.transforms, base.values.transforms) if side == "k" else (base.keys.transforms, c.transforms)
+            trial = KVPipeline(list(keys), list(values), residual=pipe.residual, sinks=pipe.sinks,
+                               chunk=tuned_chunk(pipe, [c.transforms]), compile=False)
+            trial.carries = pipe.carries
+            out[side, j] = trial
+    return out
+
+
+@torch.no_grad()
+def _layer_costs(pipe, layer, probe, trials, tokens, inputs, costs) -> dict:
+    """Add this layer's `½ Σ (g·δ)²` of every candidate to `costs`, over the tokens each trial's cache would
+    store encoded from a `tokens`-token prompt; return the base pipeline's carry for the next layer."""
+    for (side, j), trial in trials.items():
+        start, end = span = _flush_span(trial, tokens)
+        delta = _reconstruct(trial, layer, probe, span, inputs, side)[0][side]
+        grad = (probe.dk if side == "k" else probe.dv).grad[:, :, start:end].float()
+        costs[side][j] += 0.5 * float((grad * delta).sum(-1).pow(2).sum())
+    if not pipe.carries:
+        return {}
+    return _reconstruct(pipe.for_layer(layer), layer, probe, _flush_span(pipe, tokens), inputs)[1]
+
+
+def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int = 1, seed: int = 0,
+            progress: bool = True) -> Sensitivity:
+    """Estimate every candidate's cost (see the module docstring) on calibration token ids `[N, T]`.
+
+    Args:
+        pipe: the pipeline to tune, for `model` (`pipe.for_model(model)`), calibrated where it needs to be.
+        batch: sequences per forward and backward pass; seed: of the sampled labels.
+    """
+    started = time.perf_counter()
+    config = model.config.get_text_config(decoder=True)
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_group: dict[int, dict[str, list[Candidate]]] = {}
+    options = [per_group.setdefault(id(pipe.for_layer(i)), candidates(pipe.for_layer(i), kv_heads, head_dim))
+               for i in range(layers)]
+    trials = [_trials(pipe, i, options[i]) for i in range(layers)]
+    costs = [{side: [0.0] * len(c) for side, c in o.items()} for o in options]
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    ropes = [arch.rope_fn(model, i)(positions) if {"cos", "sin"} & pipe.requires else None for i in range(layers)]
+    tokens = 0
+    for window in tqdm(ids.split(batch), desc=f"tuning {pipe.name}", unit="batch", disable=not progress):
+        probes: dict[int, Probe] = {}
+        with _probed(model, probes), torch.enable_grad():
+            logits = model(input_ids=window.to(device), use_cache=False).logits.flatten(0, 1).float()  # [B·T, V]
+            with torch.no_grad():
+                labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+            torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()  # g's sign is squared away
+        del logits
+        carry: dict = {}
+        for i in range(layers):
+            probe = probes.pop(i)
+            inputs = {"queries": probe.query}
+            if ropes[i] is not None:
+                cos, sin = ropes[i]
+                inputs.update(cos=cos.expand(window.shape[0], -1, -1), sin=sin.expand(window.shape[0], -1, -1))
+            if probe.x is not None and "x" in pipe.requires:
+                inputs["x"] = probe.x
+            inputs.update({f"previous.{s}": t for s, t in carry.items()})
+            carry = _layer_costs(pipe, i, probe, trials[i], ids.shape[1], inputs, costs[i])
+        tokens += window.numel()
+    scaled = [{side: [c / tokens for c in cs] for side, cs in layer.items()} for layer in costs]
+    return Sensitivity(pipe, options, scaled, tokens, ids.shape[1], time.perf_counter() - started)
