@@ -10,6 +10,7 @@ streaming held-out documents in 64-token blocks. Spearman's rank correlation is 
 """
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -79,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="kivi-2bit,frontier-2bit")
     parser.add_argument("--max-width", type=int, default=4, help="uniform settings: every (key, value) pair of "
-                        "candidates up to this width, at the preset's own group")
+                        "candidates up to this width, keys and values at one of --group-scales")
+    parser.add_argument("--group-scales", default="1", help="multiples of the preset's group of the uniform settings")
     parser.add_argument("--budgets", default="2.5,3", help="budgets of tuned allocations, per preset")
     parser.add_argument("--tokens", type=int, default=32768, help="calibration tokens of the sensitivities")
     parser.add_argument("--docs", default="2048:2", help="held-out documents, length:count")
@@ -94,10 +96,11 @@ def main() -> None:
         sensitivity = calibration_sensitivity(method(name).pipeline, model, tokenizer, args.tokens)
         settings = []
         last = sensitivity.candidates[-1]
-        own = {side: [j for j, c in enumerate(cs) if c.group_scale == 1 and c.width <= args.max_width]
+        scales = {int(x) for x in args.group_scales.split(",")}
+        own = {side: [j for j, c in enumerate(cs) if c.group_scale in scales and c.width <= args.max_width]
                for side, cs in last.items()}
-        for k in own["k"]:
-            for v in own["v"]:
+        for k, v in itertools.product(own["k"], own["v"]):
+            if last["k"][k].group_scale == last["v"][v].group_scale:
                 pipe, bits, predicted = uniform(sensitivity, k, v)
                 settings.append((f"uniform K {last['k'][k].label} V {last['v'][v].label}", pipe, bits, predicted))
         for budget in map(float, args.budgets.split(",")):

@@ -2,10 +2,14 @@
 
 The cost of storing layer ℓ's keys (or values) with candidate c is the KL divergence of the model's next-token
 distributions from the full-precision ones when only that side of that layer is compressed. To second order it
-is `½ δᵀ F δ`, with δ the reconstruction error and F the Fisher information of the outputs with respect to the
-layer's keys (values). One backward pass per calibration batch gives, for labels sampled from the model's own
-distribution, a gradient g with `E[g gᵀ] = F`; the cost is then estimated as `½ Σ_t (g_t · δ_t)²` over the
-tokens t and KV heads (errors of different tokens taken as independent), for every candidate from one pass.
+is `½ δᵀ F δ`, with δ the reconstruction error of the whole sequence and F the Fisher information of the
+outputs with respect to the layer's keys (values). A backward pass of the summed log-likelihood of labels drawn
+from the model's own distribution gives a gradient g with `E[g gᵀ] = F`, so `½ (g · δ)²` is an unbiased
+estimate of the cost, for every candidate from the same pass; the estimate is averaged over `DRAWS` draws per
+calibration sequence. The dot product runs over every token and KV head of a sequence together: errors shared
+by many tokens act together (a value error common to the tokens a query attends to moves its output by all of
+it), while a key error common to all tokens moves no softmax. An estimate per token, dropping the cross terms,
+favoured 1-bit values and wide key groups whose errors are shared, and tuned KIVI lost to uniform KIVI.
 """
 
 import contextlib
@@ -25,6 +29,10 @@ from torchkv.pipeline import KVPipeline, _sub
 from torchkv.tuning.candidates import Candidate, candidates, tuned_chunk
 
 TUNE_NAME = "torchkv_tune"
+#: positions whose logits exist at once in `_sampled_gradients` (a [LOGIT_CHUNK, vocabulary] float32 tensor)
+LOGIT_CHUNK = 256
+#: label draws (backward passes) per calibration batch
+DRAWS = 2
 
 
 @dataclasses.dataclass
@@ -144,26 +152,55 @@ def _trials(pipe: KVPipeline, layer: int, options: dict[str, list[Candidate]]) -
 
 
 @torch.no_grad()
-def _layer_costs(pipe, layer, probe, trials, tokens, inputs, costs) -> dict:
-    """Add this layer's `½ Σ (g·δ)²` of every candidate to `costs`, over the tokens each trial's cache would
-    store encoded from a `tokens`-token prompt; return the base pipeline's carry for the next layer."""
+def _layer_costs(pipe, layer, probe, trials, grads, tokens, inputs, costs) -> dict:
+    """Add this layer's `½ (g·δ)²` of every candidate, per sequence and averaged over the draws' gradients `grads`
+    (`(dk, dv)` each), to `costs`, over the tokens each trial's cache would store encoded from a `tokens`-token
+    prompt; return the base pipeline's carry for the next layer."""
     for (side, j), trial in trials.items():
         start, end = span = _flush_span(trial, tokens)
         delta = _reconstruct(trial, layer, probe, span, inputs, side)[0][side]
-        grad = (probe.dk if side == "k" else probe.dv).grad[:, :, start:end].float()
-        costs[side][j] += 0.5 * float((grad * delta).sum(-1).pow(2).sum())
+        for dk, dv in grads:
+            g = (dk if side == "k" else dv)[:, :, start:end].float()
+            costs[side][j] += 0.5 * float((g * delta).sum((1, 2, 3)).pow(2).sum()) / len(grads)
     if not pipe.carries:
         return {}
     return _reconstruct(pipe.for_layer(layer), layer, probe, _flush_span(pipe, tokens), inputs)[1]
 
 
-def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int = 1, seed: int = 0,
-            progress: bool = True) -> Sensitivity:
+def _sampled_gradients(model: nn.Module, ids: torch.Tensor, probes: dict[int, Probe], generator: torch.Generator,
+                       draws: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Run `ids` [B, T]; for each of `draws` draws of every position's label from the model's own next-token
+    distribution, back-propagate the summed cross-entropy (g's sign is squared away) to the probes. Returns, per
+    layer, the `(dk, dv)` gradients of each draw. Vocabulary-wide tensors exist for `LOGIT_CHUNK` positions at a
+    time."""
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [B, T, d]
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    grads: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in probes]
+    for draw in range(draws):
+        leaf = hidden.detach().flatten(0, 1).requires_grad_()
+        for part in leaf.split(LOGIT_CHUNK):
+            logits = head(part).float()  # [LOGIT_CHUNK, V]
+            if softcap:
+                logits = softcap * torch.tanh(logits / softcap)
+            with torch.no_grad():
+                labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+            torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()
+        for probe in probes.values():
+            probe.dk.grad = probe.dv.grad = None
+        hidden.backward(leaf.grad.view_as(hidden), retain_graph=draw + 1 < draws)
+        for i, probe in probes.items():
+            grads[i].append((probe.dk.grad, probe.dv.grad))
+    return grads
+
+
+def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int = 1, draws: int = DRAWS,
+            seed: int = 0, progress: bool = True) -> Sensitivity:
     """Estimate every candidate's cost (see the module docstring) on calibration token ids `[N, T]`.
 
     Args:
         pipe: the pipeline to tune, for `model` (`pipe.for_model(model)`), calibrated where it needs to be.
-        batch: sequences per forward and backward pass; seed: of the sampled labels.
+        batch: sequences per forward pass; draws: label draws (backward passes) per batch; seed: of the labels.
     """
     started = time.perf_counter()
     config = model.config.get_text_config(decoder=True)
@@ -182,11 +219,7 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
     for window in tqdm(ids.split(batch), desc=f"tuning {pipe.name}", unit="batch", disable=not progress):
         probes: dict[int, Probe] = {}
         with _probed(model, probes), torch.enable_grad():
-            logits = model(input_ids=window.to(device), use_cache=False).logits.flatten(0, 1).float()  # [B·T, V]
-            with torch.no_grad():
-                labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-            torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()  # g's sign is squared away
-        del logits
+            grads = _sampled_gradients(model, window.to(device), probes, generator, draws)
         carry: dict = {}
         for i in range(layers):
             probe = probes.pop(i)
@@ -197,7 +230,7 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
             if probe.x is not None and "x" in pipe.requires:
                 inputs["x"] = probe.x
             inputs.update({f"previous.{s}": t for s, t in carry.items()})
-            carry = _layer_costs(pipe, i, probe, trials[i], ids.shape[1], inputs, costs[i])
+            carry = _layer_costs(pipe, i, probe, trials[i], grads[i], ids.shape[1], inputs, costs[i])
         tokens += window.numel()
     scaled = [{side: [c / tokens for c in cs] for side, cs in layer.items()} for layer in costs]
     return Sensitivity(pipe, options, scaled, tokens, ids.shape[1], time.perf_counter() - started)
