@@ -9,6 +9,7 @@ measured copy bandwidth.
     python benchmarks/decode.py --out benchmarks/results/decode/decode_cpu.json
     python benchmarks/decode.py --append --batches 8 --contexts 8192 --presets kivi-2bit --out ...  # more cells
     python benchmarks/decode.py --cells 4096x1,8192x8 --dtypes float32 --out ...  # only these cells
+    python benchmarks/decode.py --cells 4096x1 --baselines dynamic --presets X --append --out ...  # a fresh process per row
     python benchmarks/decode.py --device cuda --dtypes bfloat16 --out benchmarks/results/decode/decode_h100_bf16.json
     torchkv report benchmarks/results/decode/decode_cpu.json
 
@@ -98,13 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/decode/decode_cpu.json")
     parser.add_argument("--append", action="store_true", help="add this run's rows to the JSON at --out")
+    parser.add_argument("--baselines", default=",".join(BASELINES), help="baseline rows, the first the reference "
+                        "of the ratios (a row per process: --baselines dynamic --presets X --append)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.cells:
         cells = [tuple(int(n) for n in cell.split("x")) for cell in args.cells.split(",")]
     else:
         cells = [(int(c), int(b)) for b in args.batches.split(",") for c in args.contexts.split(",")]
-    names = list(BASELINES) + [p for p in args.presets.split(",") if p]
+    names = [b for b in args.baselines.split(",") if b] + [p for p in args.presets.split(",") if p]
     out = Path(args.out)
     bandwidth = copy_bandwidth(device)
     run = {"copy_bandwidth_bytes_per_s": bandwidth, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
