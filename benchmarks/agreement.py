@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"max_new_tokens": args.new_tokens, "do_sample": False, "min_new_tokens": args.new_tokens}
     reference = model.generate(prompt, past_key_values=DynamicCache(config=model.config), **settings)[0, args.prompt:]
     full = DynamicCache(config=model.config)
-    model(long, past_key_values=full)
+    model(long, **torchkv.models.cache_argument(model, full))
     full_bytes = cache_nbytes(full)
     rows = []
     print(f"| preset | tokens matching DynamicCache (of {args.new_tokens}) | cache bytes at {args.bytes_at} | vs DynamicCache |")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         with torchkv.patched(model, name):
             out = model.generate(prompt, **settings)[0, args.prompt:]
             cache = torchkv.new_cache(model)
-            model(long, past_key_values=cache)
+            model(long, **torchkv.models.cache_argument(model, cache))
         differ = (out != reference).nonzero()
         matching = int(differ[0, 0]) if differ.numel() else args.new_tokens
         row = {"preset": name, "matching_tokens": matching, "cache_bytes": cache.nbytes(),

@@ -35,7 +35,7 @@ def breakdown(model, ids: torch.Tensor, name: str) -> dict:
         row.pipeline.compile = False  # bytes only: no need to compile
     with row.active(model):
         cache = row.new_cache(model)
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **torchkv.models.cache_argument(model, cache), use_cache=True)
     bytes_by_kind = Counter()
     for layer in cache.layers:
         for tensor_name, t in layer.store.tensors().items():

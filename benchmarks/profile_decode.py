@@ -34,12 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
     with row.active(model):
         cache = row.new_cache(model)
-        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+        passed = torchkv.models.cache_argument(model, cache)
+        logits = model(input_ids=ids, **passed, logits_to_keep=1).logits
         for _ in range(3):  # compile the decode graphs outside the profile
-            logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            logits = model(input_ids=logits[:, -1:].argmax(-1), **passed).logits
         with profile(activities=activities) as prof:
             for _ in range(args.steps):
-                logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
+                logits = model(input_ids=logits[:, -1:].argmax(-1), **passed).logits
     events = prof.key_averages()
     total_us = sum(e.self_cpu_time_total for e in events)
     key = "self_device_time_total" if len(activities) > 1 else "self_cpu_time_total"

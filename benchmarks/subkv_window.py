@@ -27,12 +27,13 @@ def window_profile(model, ids: torch.Tensor, row: str, new_tokens: int) -> dict:
     with m.active(model):
         for _ in range(2):  # the first run compiles
             cache = m.new_cache(model)
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            passed = torchkv.models.cache_argument(model, cache)
+            logits = model(input_ids=ids, **passed, use_cache=True, logits_to_keep=1).logits
             lengths = []  # [steps][layers]
             started = time.perf_counter()
             for _ in range(new_tokens):
                 token = logits[:, -1:].argmax(-1)
-                logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=token, **passed, use_cache=True).logits
                 lengths.append([layer.store.n_residual for layer in cache.layers])
             seconds = time.perf_counter() - started
     steps = torch.tensor(lengths, dtype=torch.float64)

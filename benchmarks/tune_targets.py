@@ -1,9 +1,12 @@
 """Tuned against uniform at the same stored bits: the ratio of perplexity increases, from `torchkv eval` results.
 
     python benchmarks/tune_targets.py benchmarks/results/tune/eval_smollm2.json \\
-        benchmarks/results/tune/eval_smollm2_prompt.json --out benchmarks/results/tune/targets.md
+        benchmarks/results/tune/eval_smollm2_prompt.json --decode benchmarks/results/tune/decode_cpu.json \\
+        --out benchmarks/results/tune/targets.md
 
-Pairs are (tuned row, uniform row) names; a row given as a folder is matched by the folder's last part.
+Pairs are (tuned row, uniform row) names; a row given as a folder is matched by the folder's last part. Decode
+speeds come from `benchmarks/decode.py` results (`--decode`: each row in a fresh process, as a ratio to the
+DynamicCache measured beside it), else from the eval's generation profile.
 """
 
 import argparse
@@ -25,8 +28,10 @@ def rows(results: dict) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+")
+    parser.add_argument("--decode", help="benchmarks/decode.py results of the same rows")
     parser.add_argument("--out")
     args = parser.parse_args()
+    decode = rows(json.loads(Path(args.decode).read_text())) if args.decode else {}
     lines = ["| mode | context | tuned | bits | ppl increase | uniform | bits | ppl increase | ratio (target ≤ 0.7) | "
              "decode tuned / uniform (target ≥ 0.9) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for path in args.results:
@@ -42,7 +47,9 @@ def main() -> None:
                 inc = [100 * (r["ppl"]["streaming"][ctx] / ref_ppl - 1) for r in (tuned, uniform)]
                 bits = [(r["bits_per_value"]["keys"] + r["bits_per_value"]["values"]) / 2 for r in (tuned, uniform)]
                 speed = "–"
-                if tuned.get("generation") and uniform.get("generation"):
+                if tuned_name in decode and uniform_name in decode:
+                    speed = f"{decode[tuned_name]['decode_ratio'] / decode[uniform_name]['decode_ratio']:.2f}x"
+                elif tuned.get("generation") and uniform.get("generation"):
                     ratio = tuned["generation"][0]["decode_tokens_per_s"] / uniform["generation"][0]["decode_tokens_per_s"]
                     speed = f"{ratio:.2f}x"
                 lines.append(f"| {mode} | {ctx} | {tuned_name} | {bits[0]:.3f} | {inc[0]:+.2f}% | {uniform_name} | "

@@ -37,9 +37,10 @@ def streamed_kl_and_ppl(model, docs: torch.Tensor, row: Method, block: int = 64)
         for doc in docs:
             reference = torch.log_softmax(model(input_ids=doc[None], use_cache=False).logits[0].float(), -1)
             cache = row.new_cache(model)
+            passed = torchkv.models.cache_argument(model, cache)
             for start in range(0, doc.numel(), block):
                 ids = doc[None, start : start + block]
-                logp = torch.log_softmax(model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float(), -1)
+                logp = torch.log_softmax(model(input_ids=ids, **passed, use_cache=True).logits[0].float(), -1)
                 ref = reference[start : start + ids.shape[1]]
                 kl += float((ref.exp() * (ref - logp)).sum())
                 targets = doc[start + 1 : start + ids.shape[1] + 1]

@@ -149,6 +149,15 @@ def _tune(args) -> None:
           f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
 
 
+def _calibration_arguments(parser: argparse.ArgumentParser, batch: int, batch_help: str) -> None:
+    """The model and calibration-sample options that `calibrate` and `tune` share."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=32768, help="calibration tokens (Wikipedia calibration split)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
+    parser.add_argument("--batch", type=int, default=batch, help=batch_help)
+    parser.add_argument("--no-progress", action="store_true")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="torchkv", description="Compressed KV caches for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,11 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     cal.add_argument("--preset", required=True, help="a preset with transforms to fit, with overrides after colons, "
                      "e.g. aquakv-2bit or aquakv-2bit:span=token")
     cal.add_argument("--out", required=True, help="folder to save the calibrated pipeline in")
-    cal.add_argument("--model", default="smollm2-135m")
-    cal.add_argument("--tokens", type=int, default=32768, help="calibration tokens (Wikipedia calibration split)")
-    cal.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
-    cal.add_argument("--batch", type=int, default=4, help="sequences per forward of one layer")
-    cal.add_argument("--no-progress", action="store_true")
+    _calibration_arguments(cal, batch=4, batch_help="sequences per forward of one layer")
     cal.set_defaults(run=_calibrate)
 
     tn = sub.add_parser("tune", help="per-layer, per-K/V widths for a budget of stored bits per value, chosen "
@@ -206,11 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     tn.add_argument("--preset", required=True, help="a preset (with overrides after colons) or a saved pipeline folder")
     tn.add_argument("--budget", type=float, required=True, help="stored bits per value, mean over layers, K and V")
     tn.add_argument("--out", required=True, help="folder to save the tuned pipeline in")
-    tn.add_argument("--model", default="smollm2-135m")
-    tn.add_argument("--tokens", type=int, default=32768, help="calibration tokens (Wikipedia calibration split)")
-    tn.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
-    tn.add_argument("--batch", type=int, default=1, help="sequences per forward and backward pass")
-    tn.add_argument("--no-progress", action="store_true")
+    _calibration_arguments(tn, batch=1, batch_help="sequences per forward and backward pass")
     tn.set_defaults(run=_tune)
 
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ import torch
 from tqdm.auto import tqdm
 
 from torchkv.eval.rows import Method
+from torchkv.models import cache_argument
 
 
 @torch.no_grad()
@@ -32,7 +33,7 @@ def perplexity(model, docs: torch.Tensor, method: Method, block: int = 64, simul
             starts = ([0] if prompt else []) + list(range(prompt, doc.numel(), block))
             for start, end in zip(starts, [*starts[1:], doc.numel()]):
                 ids = doc[None, start:end]
-                logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+                logits = model(input_ids=ids, **cache_argument(model, cache), use_cache=True).logits[0].float()
                 targets = doc[start + 1 : end + 1]
                 logits = logits[: targets.numel()]
                 if start >= prompt:  # the prompt's own predictions are prefill's, lossless in every cache

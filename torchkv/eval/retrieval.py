@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from torchkv.eval.data import token_stream
 from torchkv.eval.rows import Method
+from torchkv.models import cache_argument
 from torchkv.models.capture import capture_qkv
 
 _INTRO = "Remember the pass key. The pass key is {key}.\n\n"
@@ -59,7 +60,7 @@ def retrieval(model, case_list: list[Case], methods: list[Method], progress: boo
         for method in methods:
             cache = method.filled_cache(model, layers)
             with method.active(model):
-                rest = model(input_ids=case.answer[None, :-1], past_key_values=cache, use_cache=True).logits[0]
+                rest = model(input_ids=case.answer[None, :-1], **cache_argument(model, cache), use_cache=True).logits[0]
             logits = torch.cat([last, rest]).float().log_softmax(-1)
             logprob[method.name] += float(logits.gather(1, case.answer[:, None]).sum())
             hits[method.name] += bool(torch.equal(logits.argmax(-1), case.answer))

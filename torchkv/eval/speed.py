@@ -7,6 +7,7 @@ import torch
 from torchkv.eval import memory
 from torchkv.eval.data import token_stream
 from torchkv.eval.rows import Method, cache_nbytes
+from torchkv.models import cache_argument
 
 
 def sync(device: torch.device) -> None:
@@ -24,14 +25,15 @@ def _run(model, method: Method, ids: torch.Tensor, new_tokens: int) -> tuple[flo
     """Prefill `ids` into a fresh cache, then greedy-decode; returns (prefill s, warm-up s, decode s, cache)."""
     device = ids.device
     cache = method.new_cache(model)
+    passed = cache_argument(model, cache)
     sync(device)
     t0 = time.perf_counter()
-    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=ids, **passed, use_cache=True, logits_to_keep=1).logits
     sync(device)
     times = [time.perf_counter()]
     for step in range(WARM_STEPS + new_tokens):
         token = logits[:, -1:].argmax(-1)
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=token, **passed, use_cache=True).logits
         if step == WARM_STEPS - 1:
             sync(device)
             times.append(time.perf_counter())

@@ -2,6 +2,9 @@
 
 from torchkv.models.cache import TorchKVCache, TorchKVLayer
 from torchkv.models.loader import load_model
-from torchkv.models.patch import new_cache, patch, patched, pipeline_of, unpatch
+from torchkv.models.patch import cache_argument, new_cache, patch, patched, pipeline_of, unpatch
 
-__all__ = ["TorchKVCache", "TorchKVLayer", "load_model", "new_cache", "patch", "patched", "pipeline_of", "unpatch"]
+__all__ = [
+    "TorchKVCache", "TorchKVLayer", "cache_argument", "load_model", "new_cache", "patch", "patched", "pipeline_of",
+    "unpatch",
+]

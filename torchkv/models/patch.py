@@ -122,6 +122,12 @@ def _cache_keyword(model: nn.Module) -> str:
     return next((key for key in CACHE_KWARGS if key in parameters), "past_key_values")
 
 
+def cache_argument(model: nn.Module, cache) -> dict:
+    """`{keyword: cache}` for `model(...)`: `cache` where the forward takes it (transformers ≥ 5.24), else
+    `past_key_values` (which 5.24 still reads, with a FutureWarning)."""
+    return {_cache_keyword(model): cache}
+
+
 def _use_torchkv_cache(model: nn.Module, keyword: str, args: tuple, kwargs: dict):
     """Forward pre-hook: put a torchkv cache where the model would create a DynamicCache."""
     key, cache = _passed_cache(kwargs)
@@ -136,7 +142,7 @@ def _use_torchkv_cache(model: nn.Module, keyword: str, args: tuple, kwargs: dict
     if isinstance(cache, Cache):
         raise ValueError(
             f"a model patched by torchkv got a {type(cache).__name__} holding {cache.get_seq_length()} tokens; "
-            "pass past_key_values=torchkv.new_cache(model) (or nothing), or torchkv.unpatch(model) first"
+            f"pass {key}=torchkv.new_cache(model) (or nothing), or torchkv.unpatch(model) first"
         )
     return None
 

@@ -4,6 +4,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from torchkv.models import cache_argument
+
 #: config class, and the options making a tiny model of each architecture in the test matrix.
 TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
@@ -58,7 +60,7 @@ def tiny_model(
 def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Post-RoPE keys and values `[B, H, T, D]` of every layer for one forward pass (unpatched model)."""
     cache = DynamicCache(config=model.config)
-    model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    model(input_ids=input_ids, **cache_argument(model, cache), use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
