@@ -34,8 +34,19 @@ def test_every_layer_is_read_from_its_stored_form(name):
 
 
 def test_an_unshipped_width_lists_the_shipped_grids():
-    with pytest.raises(ValueError, match=r"bits=5, dim=2 has no shipped grid; allowed: .*\(bits=2, dim=4\)"):
+    with pytest.raises(ValueError, match=r"bits=5, dim=4 has no shipped grid; allowed: .*\(bits=2, dim=4\)"):
         KVPipeline.from_preset("frontier-2bit", bits=5)
+
+
+def test_one_bit_keys_take_the_8d_grid_and_are_still_scored_from_their_codes():
+    """No 4-D grid has 1 bit per value, so 1-bit keys use the 8-D one (256 points): 1 bit of codes plus one float8
+    norm per 64 values."""
+    pipe = KVPipeline.from_preset("frontier-2bit", bits=1)
+    higgs = next(t for t in pipe.keys.transforms if t.name == "higgs")
+    assert (higgs.config.bits, higgs.config.dim) == (1, 8)
+    assert pipe.explain(LAYERS) == "every layer: keys scored from the stored form; values summed from the stored form"
+    bits = pipe.bits_per_value(KV_HEADS, HEAD_DIM, layers=LAYERS)
+    assert bits.keys == bits.values == 1 + 8 / HEAD_DIM
 
 
 @given(pads=st.integers(1, 20), seed=st.integers(0, 1000))

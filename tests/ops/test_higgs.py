@@ -11,8 +11,10 @@ from torchkv.ops import GRIDS, hadamard, higgs_dequantize, higgs_quantize, lloyd
 from torchkv.pipeline import COMPILE_OPTIONS
 from torchkv.transforms import Context
 
-#: Gaussian relative MSE of the reference grids (spec aquakv.md §3.3 item 14), keyed (dim, points)
-REFERENCE_MSE = {(2, 16): 0.108, (2, 64): 0.0297, (2, 256): 0.00777, (4, 256): 0.0967}
+#: Gaussian relative MSE of the reference grids (spec aquakv.md §3.3 item 14), keyed (dim, points); the 1-bit
+#: grid (8, 256) has no reference value in the spec: its entry pins our grid's measured MSE, which
+#: `test_one_bit_grid_lies_between_the_scalar_quantizer_and_the_rate_distortion_bound` bounds from first principles
+REFERENCE_MSE = {(2, 16): 0.108, (2, 64): 0.0297, (2, 256): 0.00777, (4, 256): 0.0967, (8, 256): 0.321}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -126,8 +128,19 @@ def test_gaussian_relative_mse_of_shipped_grids():
         grid_mse = (u - grid[_nearest(u, grid)]).square().mean()
         for value in (mse[d, n], grid_mse):
             assert 0.95 * REFERENCE_MSE[d, n] <= value <= 1.03 * REFERENCE_MSE[d, n], (d, n, value)
-    assert mse[2, 16] > mse[2, 64] > mse[2, 256]
+    assert mse[8, 256] > mse[2, 16] > mse[2, 64] > mse[2, 256]
     assert mse[4, 256] < mse[2, 16]
+
+
+def test_one_bit_grid_lies_between_the_scalar_quantizer_and_the_rate_distortion_bound():
+    """At 1 bit per coordinate no code beats the Gaussian distortion-rate bound 2^(-2R) = 1/4, and the 8-D grid
+    must beat the best scalar 1-bit quantizer (±√(2/π): MSE 1 − 2/π ≈ 0.363), which is one of its candidates."""
+    grid = load_grid(256, 8)
+    u = torch.randn(1 << 20, 8, generator=_gen(81))
+    mse = (u - grid[_nearest(u, grid)]).square().mean().item()
+    scalar = torch.tensor([-1.0, 1.0]) * math.sqrt(2 / math.pi)
+    scalar_mse = (u - scalar[(u > 0).long()]).square().mean().item()
+    assert 0.25 < mse < 0.95 * scalar_mse, (mse, scalar_mse)
 
 
 @pytest.mark.parametrize("d,n", GRIDS)
@@ -212,7 +225,8 @@ def test_input_distributions_and_the_walsh_hadamard_limit(d, n):
     for rows in (student_t, outlier, one_hot):
         assert _rel(rows, _roundtrip(rows, grid)).mean() <= 1.5 * gaussian
     walsh = hadamard(torch.eye(f))[::8] * 3  # rows of the Sylvester matrix
-    assert _rel(walsh, _roundtrip(walsh, grid)).mean() > max(0.5, 5 * gaussian)
+    # 5x the Gaussian error, or at 1 bit (Gaussian error 0.32) nearly all of the row lost
+    assert _rel(walsh, _roundtrip(walsh, grid)).mean() > max(0.5, min(5 * gaussian, 0.9))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -238,7 +252,7 @@ def test_rows_must_split_into_grid_vectors():
 @pytest.mark.parametrize(
     "config,error",
     [
-        ({"bits": 3, "dim": 4}, r"bits=3, dim=4 has no shipped grid; allowed: \(bits=2, dim=2\)"),
+        ({"bits": 3, "dim": 4}, r"bits=3, dim=4 has no shipped grid; allowed: \(bits=1, dim=8\), \(bits=2, dim=2\)"),
         ({"bits": 5}, "bits=5"),
         ({"span": "layer"}, "span='layer'"),
         ({"scale_dtype": "int8"}, "scale_dtype='int8'"),

@@ -80,6 +80,10 @@ def test_candidates_keep_decode_reading_and_their_bits_are_the_closed_form():
     frontier = KVPipeline.from_preset("frontier-2bit")
     k = rewidth(frontier.keys, 4)
     assert k[0] is frontier.keys.transforms[0] and (k[1].config.bits, k[1].config.dim) == (4, 2)  # no 4-D 4-bit grid
+    assert (rewidth(frontier.keys, 1)[1].config.dim) == 8  # the 1-bit grid is 8-D
+    keys = candidates(frontier, kv_heads=3, head_dim=64)["k"]
+    assert [(c.width, c.bits) for c in keys][0] == (1, 1 + 8 / 64)  # 1-bit codes and one float8 norm per 64 values
+    assert all(torchkv.pipeline.Chain(list(c.transforms)).scores_stored for c in keys)
     assert rewidth(KVPipeline.from_preset("fp16").keys, 2) is None  # nothing to rewiden
 
 

@@ -26,8 +26,9 @@ VALUES = ("uniform", "higgs")
 
 
 def _keys(bits: int, dim: int, span: str, center: bool, balance: bool, scale_dtype: str) -> list:
-    """Centred (and balanced) HIGGS keys on the `dim`-D grid, or the 2-D one where no `dim`-D grid has `bits`."""
-    dim = dim if (bits, dim) in HIGGS_SHAPES else 2
+    """Centred (and balanced) HIGGS keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one
+    has them (2-D for 3 and 4 bits, 8-D for 1 bit)."""
+    dim = dim if (bits, dim) in HIGGS_SHAPES else max((d for b, d in HIGGS_SHAPES if b == bits), default=dim)
     higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype)
     return [*([T.predict("center")] if center else []), *([T.project("balance")] if balance else []), higgs, T.pack()]
 

@@ -22,8 +22,9 @@ import torch
 
 from torchkv.ops.hadamard import hadamard
 
-#: (dim, points) of the shipped grids: d=2 with 16/64/256 points (2/3/4 bits per value), d=4 with 256 (2 bits)
-GRIDS = ((2, 16), (2, 64), (2, 256), (4, 256))
+#: (dim, points) of the shipped grids: d=2 with 16/64/256 points (2/3/4 bits per value), d=4 with 256 (2 bits),
+#: d=8 with 256 (1 bit: the HIGGS paper's sub-2-bit grid, AQUA-KV Table 5)
+GRIDS = ((2, 16), (2, 64), (2, 256), (4, 256), (8, 256))
 GRID_SAMPLES = 1 << 19
 GRID_ITERS = 200
 GRID_SEED = 0
