@@ -33,6 +33,7 @@ EXAMPLES = {
         {"bits": 3, "span": "token"},
         {"bits": 4, "scale_dtype": "bfloat16"},
         {"bits": 2, "dim": 4, "span": "token", "scale_dtype": "float32"},
+        {"bits": 1, "dim": 8, "scale_dtype": "float8_e5m2"},
     ],
     ("predict", "linear"): [{}, {"sources": ("keys", "previous"), "weight_dtype": "float32"}],
     ("predict", "delta"): [{}],
@@ -204,6 +205,7 @@ READ_STORED = {
     "uniform-channel-after-hadamard": lambda: [T.rotate("hadamard"), T.quantize(bits=2, axis="channel", group=8),
                                                T.pack()],
     "higgs-4d": lambda: [T.quantize("higgs", bits=2, dim=4), T.pack()],
+    "higgs-1bit-8d-balanced": lambda: [T.project("balance"), T.quantize("higgs", bits=1, dim=8), T.pack()],
     "higgs-4bit-centred": lambda: [T.predict("center"), T.quantize("higgs", bits=4, dim=2), T.pack()],
     "higgs-token-span-centred-after-hadamard": lambda: [
         T.rotate("hadamard", block=16), T.predict("center"), T.quantize("higgs", bits=2, dim=2, span="token"), T.pack()],
