@@ -3,6 +3,8 @@
     python benchmarks/tune_targets.py benchmarks/results/tune/eval_smollm2.json \\
         benchmarks/results/tune/eval_smollm2_prompt.json --decode benchmarks/results/tune/decode_cpu.json \\
         --out benchmarks/results/tune/targets.md
+    python benchmarks/tune_targets.py benchmarks/results/tune/gemma3/eval_gemma3.json \
+        --out benchmarks/results/tune/gemma3/targets.md
 
 Pairs are (tuned row, uniform row) names; a row given as a folder is matched by the folder's last part. Decode
 speeds come from `benchmarks/decode.py` results (`--decode`: each row in a fresh process, as a ratio to the
@@ -14,7 +16,7 @@ import json
 from pathlib import Path
 
 PAIRS = (("tuned:kivi-2bit@2.5", "kivi-2bit:group=64"), ("tuned:kivi-2bit@3", "kivi-2bit"),
-         ("tuned:frontier-2bit@2.125", "frontier-2bit"))
+         ("tuned:frontier-2bit@2.125", "frontier-2bit"), ("tuned:frontier-2bit@2.5", "frontier-2.5bit"))
 
 
 def _short(name: str) -> str:
