@@ -815,7 +815,9 @@ class KVPipeline:
         return tune(self, model, texts, budget=budget, **options)[0]
 
     def save_pretrained(self, path: str | Path) -> None:
-        """Write `torchkv_config.json` and, when there are fitted parameters, `torchkv_params.safetensors`."""
+        """Write `torchkv_config.json` and, when there are fitted parameters, `torchkv_params.safetensors`. A tensor
+        that several chains share (tuned layers keep the preset's fitted transforms) is written once, under its first
+        name; the file's "aliases" metadata maps the other names to it."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -823,11 +825,16 @@ class KVPipeline:
         (path / CONFIG_FILE).write_text(json.dumps(self.config(), indent=2))
         params = self.params()
         if params:
-            save_file({k: v.contiguous().cpu() for k, v in params.items()}, str(path / PARAMS_FILE))
+            first: dict[int, str] = {}
+            aliases = {k: first.setdefault(id(v), k) for k, v in params.items()}
+            aliases = {k: name for k, name in aliases.items() if name != k}
+            tensors = {k: v.contiguous().cpu() for k, v in params.items() if k not in aliases}
+            save_file(tensors, str(path / PARAMS_FILE), metadata={"aliases": json.dumps(aliases)})
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "KVPipeline":
         """Load what `save_pretrained` wrote."""
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -839,6 +846,9 @@ class KVPipeline:
         pipe = cls.from_config(config)
         if (path / PARAMS_FILE).is_file():
             params = load_file(str(path / PARAMS_FILE))
+            with safe_open(str(path / PARAMS_FILE), "pt") as f:
+                aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+            params.update({k: params[name] for k, name in aliases.items()})
             if "layers" not in config:  # saved before per-layer chains: "first{n}." held the n-th first layer's
                 params = {"layer" + k[len("first"):] if k.startswith("first") else k: v for k, v in params.items()}
             pipe.load_params(params)

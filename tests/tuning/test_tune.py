@@ -36,6 +36,28 @@ def test_layers_with_equal_chains_share_them_and_round_trip(tmp_path):
     assert bits.keys == pytest.approx((KVPipeline(*_kivi(2)).bits_per_value(2, 32).keys + 4 + 2) / 2)
 
 
+def test_fitted_tensors_shared_by_tuned_layers_are_saved_once_and_load_shared(tmp_path):
+    """Tuned layers keep the preset's fitted transforms (AQUA-KV's predictors), so several chains hold one tensor."""
+    from safetensors.torch import load_file
+
+    pipe = KVPipeline.from_preset("aquakv-2bit")
+    gen = torch.Generator().manual_seed(0)
+    for t in (*pipe.keys.transforms, *pipe.values.transforms):
+        if t.name == "linear":
+            t.params = {f"{layer}.{name}": torch.randn(*shape, generator=gen)
+                        for layer in (1, 2) for name, shape in (("weight", (8, 8)), ("bias", (8,)))}
+    tuned = KVPipeline(list(pipe.keys.transforms), list(pipe.values.transforms),
+                       layers={2: (rewidth(pipe.keys, 4), rewidth(pipe.values, 4))})
+    params = tuned.params()
+    distinct = len({id(v) for v in params.values()})
+    assert distinct < len(params)
+    tuned.save_pretrained(tmp_path)
+    assert len(load_file(tmp_path / torchkv.pipeline.PARAMS_FILE)) == distinct
+    loaded = KVPipeline.from_pretrained(tmp_path).params()
+    assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], v) for k, v in params.items())
+    assert len({id(v) for v in loaded.values()}) == distinct
+
+
 def test_a_config_saved_with_first_layers_loads_them_as_per_layer_chains():
     config = KVPipeline(*_kivi(2), residual=16).config()
     del config["layers"]
