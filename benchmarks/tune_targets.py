@@ -3,7 +3,7 @@
     python benchmarks/tune_targets.py benchmarks/results/tune/eval_smollm2.json \\
         benchmarks/results/tune/eval_smollm2_prompt.json --decode benchmarks/results/tune/decode_cpu.json \\
         --out benchmarks/results/tune/targets.md
-    python benchmarks/tune_targets.py benchmarks/results/tune/gemma3/eval_gemma3.json \
+    python benchmarks/tune_targets.py benchmarks/results/tune/gemma3/eval_gemma3.json \\
         --out benchmarks/results/tune/gemma3/targets.md
 
 Pairs are (tuned row, uniform row) names; a row given as a folder is matched by the folder's last part. Decode
