@@ -20,7 +20,7 @@ import functools
 import torchkv.transforms as T
 from torchkv.pipeline import KVPipeline
 from torchkv.registry import register_preset
-from torchkv.transforms.quantizers import HIGGS_SHAPES
+from torchkv.transforms.quantizers import higgs_dim
 
 VALUES = ("uniform", "higgs")
 
@@ -28,7 +28,7 @@ VALUES = ("uniform", "higgs")
 def _keys(bits: int, dim: int, span: str, center: bool, balance: bool, scale_dtype: str) -> list:
     """Centred (and balanced) HIGGS keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one
     has them (2-D for 3 and 4 bits, 8-D for 1 bit)."""
-    dim = dim if (bits, dim) in HIGGS_SHAPES else max((d for b, d in HIGGS_SHAPES if b == bits), default=dim)
+    dim = higgs_dim(bits, dim) or dim  # no grid has `bits`: the quantizer's error lists the shipped ones
     higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype)
     return [*([T.predict("center")] if center else []), *([T.project("balance")] if balance else []), higgs, T.pack()]
 

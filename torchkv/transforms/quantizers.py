@@ -143,6 +143,14 @@ class UniformQuantize(Transform):
 HIGGS_SHAPES = tuple(sorted((b, d) for d, n in GRIDS for b in range(1, 9) if n == 1 << (b * d)))
 
 
+def higgs_dim(bits: int, dim: int) -> int | None:
+    """`dim` where a shipped grid of that dimension has `bits` bits per value, else the largest dimension that
+    has them (8 for 1 bit, 2 for 3 and 4 bits); None where no grid has them."""
+    if (bits, dim) in HIGGS_SHAPES:
+        return dim
+    return max((d for b, d in HIGGS_SHAPES if b == bits), default=None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class HiggsConfig(TransformConfig):
     """bits: bits per value; dim: grid dimension d (a grid of 2^(bits·d) points); span: "head" (one scale

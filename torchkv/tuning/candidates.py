@@ -6,7 +6,7 @@ import math
 
 from torchkv.pipeline import Chain, KVPipeline
 from torchkv.transforms import Transform
-from torchkv.transforms.quantizers import HIGGS_SHAPES
+from torchkv.transforms.quantizers import higgs_dim
 
 #: widths tried for every quantizer of a chain (those a quantizer refuses, or that would make decode attention
 #: rebuild what the preset reads from its stored form, are left out)
@@ -37,11 +37,10 @@ def rewidth(chain: Chain, bits: int, group_scale: int = 1) -> list[Transform] | 
         config = dataclasses.asdict(t.config)
         if t.kind == "quantize" and isinstance(config.get("bits"), int):
             config["bits"], changed = bits, True
-            if t.name == "higgs" and (bits, config["dim"]) not in HIGGS_SHAPES:
-                dims = [d for b, d in HIGGS_SHAPES if b == bits]
-                if not dims:
+            if t.name == "higgs":
+                config["dim"] = higgs_dim(bits, config["dim"])
+                if config["dim"] is None:
                     return None
-                config["dim"] = max(dims)
             if group_scale > 1:
                 if not isinstance(config.get("group"), int):
                     return None
