@@ -1,7 +1,9 @@
 """Decode benchmark: SmolLM2 decode and prefill throughput and peak memory for every cache, same run.
 
-Rows: transformers' DynamicCache (the reference) and QuantizedCache (quanto, 4 and 2 bits), and every
-torchkv preset; for fp32 and bf16 weights, contexts 1K/4K/8K, batch 1 and 8. Ratios are to the
+Rows: transformers' DynamicCache (the reference), its StaticCache with the whole decode step compiled
+(`static-compiled`, the fastest full-precision path of transformers) and QuantizedCache (quanto, 4 and 2 bits), every
+torchkv preset with per-layer compiled attention, and `--compiled-presets` with the whole decode step compiled over
+a fixed-capacity torchkv cache (`compiled:PRESET`); for fp32 and bf16 weights, contexts 1K/4K/8K, batch 1 and 8. Ratios are to the
 DynamicCache of the same cell. A kernel-level section times one layer's decode attention over packed
 codes against SDPA over the full-precision cache, and the bytes/s it reaches against the machine's
 measured copy bandwidth.
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import torchkv
-from torchkv.eval.rows import BASELINES, method
+from torchkv.eval.rows import BASELINES, COMPILED, STATIC_BASELINE, method
 from torchkv.eval.runner import machine
 from torchkv.eval.speed import generation_profile, sync
 
@@ -94,12 +96,14 @@ def main(argv: list[str] | None = None) -> None:
                                         "e.g. 4096x1,8192x8")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--presets", default=",".join(p["name"] for p in torchkv.presets() if not p["calibrate"]))
+    parser.add_argument("--compiled-presets", default="kivi-2bit,kivi-4bit",
+                        help="presets also measured with the whole decode step compiled (rows compiled:PRESET)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/decode/decode_cpu.json")
     parser.add_argument("--append", action="store_true", help="add this run's rows to the JSON at --out")
-    parser.add_argument("--baselines", default=",".join(BASELINES), help="baseline rows, the first the reference "
+    parser.add_argument("--baselines", default=",".join(["dynamic", STATIC_BASELINE, *list(BASELINES)[1:]]), help="baseline rows, the first the reference "
                         "of the ratios (a row per process: --baselines dynamic --presets X --append)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         cells = [(int(c), int(b)) for b in args.batches.split(",") for c in args.contexts.split(",")]
     names = [b for b in args.baselines.split(",") if b] + [p for p in args.presets.split(",") if p]
+    names += [COMPILED + p for p in args.compiled_presets.split(",") if p]
     out = Path(args.out)
     bandwidth = copy_bandwidth(device)
     run = {"copy_bandwidth_bytes_per_s": bandwidth, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -34,3 +34,25 @@ def own_cache(method: types.MethodType) -> Callable:
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{id(method.__self__):x}")
     copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return types.MethodType(copy, method.__self__)
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """`torch._dynamo.maybe_mark_dynamic`, skipped while tracing a graph that calls torchkv (a whole decode step
+    compiled at once has static shapes)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+@torch.library.custom_op("torchkv::materialized", mutates_args=())
+def materialized(x: torch.Tensor) -> torch.Tensor:
+    """A copy of `x` that Inductor cannot fuse into its consumers (an opaque op).
+
+    In a whole decode step compiled at once, Inductor otherwise inlines the query's producers (projection output,
+    RoPE with its cos/sin of the position) into the reduction over every packed code, and recomputes them per code:
+    measured at 4K tokens on CPU, 2.1 ms per layer for the key scores instead of 0.65 ms."""
+    return x.clone()
+
+
+@materialized.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -12,7 +12,7 @@ import torch
 
 from torchkv import registry
 from torchkv import window as windows
-from torchkv._compat import own_cache, recompile_headroom
+from torchkv._compat import mark_dynamic, own_cache, recompile_headroom
 from torchkv.ops import PLANAR_BITS
 from torchkv.transforms import Context, ProjectionWeights, Transform, build
 
@@ -448,7 +448,7 @@ class KVPipeline:
 
     def _run(self, name: str, *args):
         fn = getattr(self, name)
-        if not self.compile:
+        if not self.compile or torch.compiler.is_compiling():  # inside a whole-step graph: traced into it
             return fn(*args)
         if name not in self._compiled:
             # static shapes except the axes callers mark dynamic: automatic dynamic would also generalize
@@ -562,11 +562,11 @@ class KVPipeline:
                 `decode_chunk` returns it (the next layer's "previous"); else empty.
         """
         for t in (*encoded.values(), k_fp, v_fp):
-            torch._dynamo.maybe_mark_dynamic(t, 2)  # one graph for every number of chunks and window size
+            mark_dynamic(t, 2)  # one graph for every number of chunks and window size
         for t in (inputs or {}).values():
-            torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)
+            mark_dynamic(t, 2 if t.dim() == 4 else 1)
         if mask is not None:
-            torch._dynamo.maybe_mark_dynamic(mask, 3)
+            mark_dynamic(mask, 3)
         # a Python float argument would become a fresh tensor input at every call
         scaled = q.float() * scale
         out, fp_attention, carry = self._run(
@@ -599,7 +599,7 @@ class KVPipeline:
             raise ValueError(f"encode_chunk got {k.shape[2]} tokens; it takes a multiple of chunk={self.chunk}")
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
-                torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
+                mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
         if "x" in self.requires and "x" not in (inputs or {}):
             raise ValueError(f"pipeline '{self.name}' caches a function of the layer input: pass inputs['x'], "
                              "[batch, tokens, hidden], the attention block's input for these tokens")
@@ -624,7 +624,7 @@ class KVPipeline:
         """Inverse of `encode_chunk`: `(k, v)`, each `[B, H, T, head_dim]` float32; pipelines that `carries`
         return `(k, v, carry)` with `carry` {"k", "v"} as `encode_chunk` describes."""
         for t in (*state.values(), *(inputs or {}).values()):
-            torch._dynamo.maybe_mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
+            mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
         params = self.layer_params(layer) if params is None else dict(params)
         return self._run("_decode", dict(state), head_dim, params, dict(prepared or {}), dict(inputs or {}))
 

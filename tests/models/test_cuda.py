@@ -47,3 +47,25 @@ def test_compiled_cuda_decode_equals_eager(smollm2_cuda, preset, monkeypatch):
                                  monkeypatch=monkeypatch)
     print(f"{preset}: max |compiled - eager| logit = {(got - expected).abs().max().item():.2e}")
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2bit", "kivi-4bit", "squat-2bit", "frontier-2bit"])
+def test_whole_step_cuda_graphs_equal_eager(smollm2_cuda, preset):
+    """The whole decode step compiled with CUDA graphs (mode="reduce-overhead") over a fixed-capacity cache gives
+    the per-layer path's logits, across window flushes."""
+    model, tokenizer = smollm2_cuda
+    ids = documents(tokenizer, 760, 1).cuda()
+    prompt, tokens = ids[:, :660], ids[:, 660:]
+    pipe = torchkv.KVPipeline.from_preset(preset)
+    expected = _teacher_forced_logits(model, pipe, prompt, tokens)
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False, mode="reduce-overhead",
+                         options={"emulate_precision_casts": True})
+    with torchkv.patched(model, pipe), torch.no_grad():
+        cache = torchkv.new_cache(model, max_cache_len=768)
+        model(prompt, cache=cache)
+        got = torch.stack([step(input_ids=tokens[:, i : i + 1], cache=cache).logits[0, -1].clone()
+                           for i in range(tokens.shape[1])])
+    assert cache.is_compileable and all(t.device.type == "cuda" for layer in cache.layers
+                                        for t in layer.static.tensors().values())
+    print(f"{preset}: max |whole step - per layer| logit = {(got - expected).abs().max().item():.2e}")
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from torchkv.eval.rows import STATIC_BASELINE
+
 
 def _cells(results: dict) -> list[tuple[str, int, int]]:
     """(dtype, batch, context) of every measured cell, by dtype (as first measured), batch and context."""
@@ -51,6 +53,16 @@ def markdown_table(results: dict) -> str:
     out = [f"Decode benchmark, {meta['model']}, torch {meta['torch']}, {device}; {meta['new_tokens']} timed decode tokens.", ""]
     out += ["Decode tokens/s (ratio to DynamicCache of the same cell):", ""]
     out += _table(["row"] + labels, [line(n, decode) for n in names])
+    static = STATIC_BASELINE
+    if static in names:
+        def to_static(name):
+            def ratio(r):
+                ref = None if r is None else rows.get((r["dtype"], r["batch"], r["context"], static))
+                return "–" if ref is None else f"{r['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x"
+            return line(name, ratio)
+
+        out += ["", "Decode speed as a ratio to transformers' StaticCache with the whole step compiled:", ""]
+        out += _table(["row"] + labels, [to_static(n) for n in names])
     out += ["", "Prefill tokens/s (ratio to DynamicCache):", ""]
     out += _table(["row"] + labels, [line(n, prefill) for n in names])
     out += ["", f"Cache MiB / peak MiB ({peak_kind}) of the timed generation:", ""]

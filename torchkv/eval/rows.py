@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, QuantizedCache
+from transformers import DynamicCache, QuantizedCache, StaticCache
 from transformers.cache_utils import Cache
 
 from torchkv.models import patched
@@ -20,6 +20,12 @@ from torchkv.pipeline import CONFIG_FILE, KVPipeline
 TUNED = "tuned:"
 #: baseline rows: transformers' full-precision cache and its quanto-quantized cache (KIVI-like window 128)
 BASELINES = {"dynamic": None, "quanto-4bit": 4, "quanto-2bit": 2}
+#: a row whose whole decode step (model and cache) is one compiled graph over a fixed-capacity cache: this prefix on
+#: a torchkv row, or this baseline, transformers' StaticCache (the fastest full-precision path of transformers)
+COMPILED = "compiled:"
+STATIC_BASELINE = "static-compiled"
+#: Inductor options of whole-step graphs: quantization rounds through the stored dtypes exactly as eager does
+WHOLE_STEP_OPTIONS = {"emulate_precision_casts": True}
 
 
 @dataclass
@@ -33,6 +39,8 @@ class Method:
     tuning: tuple["Method", float] | None = None
     #: what tuning reported (`torchkv.tuning.tune`)
     tune_report: dict | None = None
+    #: decode steps run as one compiled graph over a fixed-capacity cache (`COMPILED`, `STATIC_BASELINE`)
+    compiled: bool = False
 
     def tune_for(self, model, tokenizer, tokens: int, out_dir: Path | None, progress: bool = True) -> None:
         """Tune a tuned row on `model` (on `tokens` of the calibration split; one sensitivity measurement per
@@ -56,11 +64,15 @@ class Method:
     def kind(self) -> str:
         if self.pipeline is not None or self.tuning is not None:
             return "torchkv"
+        if self.compiled:
+            return "static"
         return "dynamic" if self.nbits is None else "quanto"
 
     def config(self) -> dict:
         if self.pipeline is not None:
             return self.pipeline.config()
+        if self.compiled:
+            return {"cache": "transformers.StaticCache", "compiled": "whole step"}
         if self.nbits is None:
             return {"cache": "transformers.DynamicCache"}
         return {"cache": "transformers.QuantizedCache", "backend": "quanto", "nbits": self.nbits,
@@ -88,20 +100,34 @@ class Method:
                 cache.update(k, v, i)
         return cache
 
-    def new_cache(self, model, simulated: bool = False) -> Cache:
-        """A fresh cache; `simulated` quantizes every token before any query reads it (torchkv rows)."""
+    def new_cache(self, model, simulated: bool = False, max_cache_len: int | None = None) -> Cache:
+        """A fresh cache; `simulated` quantizes every token before any query reads it (torchkv rows); compiled rows
+        need `max_cache_len`, their capacity."""
+        if self.compiled and max_cache_len is None:
+            raise ValueError(f"row {self.name!r} decodes on a fixed-capacity cache: pass max_cache_len")
+        capacity = max_cache_len if self.compiled else None
         if self.pipeline is not None:
             pipe = self.pipeline
             if simulated:
                 pipe = copy.copy(pipe)
                 pipe.residual, pipe.sinks = 0, 0
-            return new_cache(model, pipe, simulated)
+            return new_cache(model, pipe, simulated, capacity)
+        if self.compiled:
+            return StaticCache(config=model.config, max_cache_len=capacity)
         if self.nbits is None:
             return DynamicCache(config=model.config)
         try:
             return QuantizedCache(backend="quanto", config=model.config, nbits=self.nbits)
         except ImportError as err:
             raise ImportError("the quanto baselines need optimum-quanto: pip install optimum-quanto") from err
+
+    def decode_forward(self, model):
+        """What runs a decode step: the model, or for compiled rows its forward compiled whole (static shapes;
+        CUDA graphs on GPUs)."""
+        if not self.compiled:
+            return model
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        return torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode, options=WHOLE_STEP_OPTIONS)
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -118,7 +144,16 @@ def method(name: str) -> Method:
     """A row by name: a baseline name (see `BASELINES`), a torchkv preset, optionally with overrides
     after colons (`kivi-2bit:residual=32:sinks=4`), a folder a pipeline was saved in (`torchkv calibrate`,
     `torchkv tune`), or `tuned:ROW@BITS`, ROW tuned to BITS stored bits per value on the model evaluated
-    (`Method.tune_for`)."""
+    (`Method.tune_for`); `compiled:ROW` decodes ROW with the whole step compiled, and `static-compiled` is
+    transformers' StaticCache decoded so."""
+    if name == STATIC_BASELINE:
+        return Method(name, compiled=True)
+    if name.startswith(COMPILED):
+        row = method(name.removeprefix(COMPILED))
+        if row.pipeline is None:
+            raise ValueError(f"{name!r}: only torchkv rows take {COMPILED!r}; the compiled baseline is {STATIC_BASELINE!r}")
+        row.name, row.compiled = name, True
+        return row
     if name.startswith(TUNED):
         start, sep, budget = name.removeprefix(TUNED).rpartition("@")
         try:

@@ -21,10 +21,14 @@ WARM_STEPS = 2
 
 
 @torch.no_grad()
-def _run(model, method: Method, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, float, object]:
-    """Prefill `ids` into a fresh cache, then greedy-decode; returns (prefill s, warm-up s, decode s, cache)."""
+def _run(
+    model, method: Method, ids: torch.Tensor, new_tokens: int, capacity: int
+) -> tuple[float, float, float, object]:
+    """Prefill `ids` into a fresh cache, then greedy-decode; returns (prefill s, warm-up s, decode s, cache).
+    Compiled rows get a cache of `capacity` tokens (the same for every run, so that one graph serves them)."""
     device = ids.device
-    cache = method.new_cache(model)
+    cache = method.new_cache(model, max_cache_len=capacity) if method.compiled else method.new_cache(model)
+    forward = method.decode_forward(model)
     passed = cache_argument(model, cache)
     sync(device)
     t0 = time.perf_counter()
@@ -33,7 +37,7 @@ def _run(model, method: Method, ids: torch.Tensor, new_tokens: int) -> tuple[flo
     times = [time.perf_counter()]
     for step in range(WARM_STEPS + new_tokens):
         token = logits[:, -1:].argmax(-1)
-        logits = model(input_ids=token, **passed, use_cache=True).logits
+        logits = forward(input_ids=token, **passed, use_cache=True).logits
         if step == WARM_STEPS - 1:
             sync(device)
             times.append(time.perf_counter())
@@ -66,12 +70,13 @@ def generation_profile(model, tokenizer, method: Method, context: int, new_token
         raise ValueError(f"batch {batch} x context {context} exceeds the {stream.numel()} held-out tokens")
     device = next(model.parameters()).device
     ids = stream[: batch * context].view(batch, context).to(device)
+    capacity = context + WARM_STEPS + new_tokens
     with method.active(model):
         for warm in _warm_lengths(method):
-            _run(model, method, ids[:, :warm], 2)
+            _run(model, method, ids[:, :warm], 2, capacity)
         start_rss = memory.current_rss()
         resettable = memory.reset_peak()
-        prefill_s, warm_s, decode_s, cache = _run(model, method, ids, new_tokens)
+        prefill_s, warm_s, decode_s, cache = _run(model, method, ids, new_tokens, capacity)
         peak = memory.peak_rss()
         result = {
             "context": context,
@@ -80,6 +85,7 @@ def generation_profile(model, tokenizer, method: Method, context: int, new_token
             "prefill_tokens_per_s": batch * context / prefill_s,
             "decode_tokens_per_s": batch * new_tokens / decode_s,
             "warm_decode_seconds": warm_s,
+            "whole_step_compiled": method.compiled,
             "cache_bytes": cache_nbytes(cache),
             "peak_rss_bytes": peak,
             "peak_over_start_bytes": peak - start_rss if resettable else None,

@@ -7,6 +7,7 @@ for prefill or a small dense mask for decode, over the absolute positions of the
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +36,21 @@ class MaskSpec:
 
     rule: Callable
     padding: torch.Tensor | None
-    q_offset: int
+    q_offset: "int | torch.Tensor"  # a 0-d tensor only inside a compiled step (read by no compiled path)
     _dense: dict = field(default_factory=dict, compare=False, repr=False)  # every layer asks for the same
+    #: transformers passes a prepared mask of 4 dimensions through its mask creation unchanged; a spec made
+    #: outside a compiled step (by `generate`, for compileable caches) reaches the attention function the same way
+    ndim: ClassVar[int] = 4
 
     @property
     def causal(self) -> bool:
         """The plain causal rule with no padding (what `is_causal` kernels implement)."""
         return self.rule is causal_mask_function and self.padding is None
+
+    @property
+    def extra_rule(self) -> Callable | None:
+        """The mask rule, or None for the plain causal one (under which every held token is visible to a new one)."""
+        return None if self.rule is causal_mask_function else self.rule
 
     def dense(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
         """[B or 1, 1, Q, N] bool, by broadcasting the rule over index grids (computed once per forward)."""
@@ -103,13 +112,29 @@ def torchkv_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> MaskSpec:
-    """The function registered with `AttentionMaskInterface`: returns the mask's description."""
+    """The function registered with `AttentionMaskInterface`: returns the mask's description.
+
+    Inside a compiled step nothing reads tensor values: the padding mask is kept even when it masks nothing, and
+    a tensor `q_offset` (compileable caches report their length as one) stays a tensor."""
+    if isinstance(attention_mask, MaskSpec):  # made before the compiled step (see `MaskSpec.ndim`)
+        return attention_mask
     if kv_offset:
         raise ValueError("torchkv caches keep every token; a non-zero kv_offset means a foreign cache layer")
+    if not isinstance(q_offset, torch.Tensor) or not torch.compiler.is_compiling():
+        if int(q_offset) + q_length > kv_length:  # only a fixed-capacity cache reports fewer
+            raise ValueError(
+                f"the cache holds at most {kv_length} tokens (max_cache_len) and would hold {int(q_offset) + q_length}: "
+                "create it with a larger max_cache_len (generate sizes it from max_new_tokens with "
+                "cache_implementation='static')"
+            )
+    compiling = torch.compiler.is_compiling()
     padding = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        padding = torch.nn.functional.pad(attention_mask, (0, max(0, kv_length - attention_mask.shape[-1])))
-    return MaskSpec(mask_function, padding, int(q_offset))
+    if attention_mask is not None and (compiling or not bool(attention_mask.all())):
+        # positions past the mask are tokens still to come
+        padding = F.pad(attention_mask, (0, max(0, kv_length - attention_mask.shape[-1])), value=True)
+    if not (compiling and isinstance(q_offset, torch.Tensor)):
+        q_offset = int(q_offset)
+    return MaskSpec(mask_function, padding, q_offset)
 
 
 def _flex(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | None):
@@ -224,7 +249,8 @@ def torchkv_attention(
 
     `key`/`value` are the `TorchKVLayer` handles returned by the cache (or plain tensors when the
     model runs without a torchkv cache). New tokens attend to themselves in full precision and to the
-    compressed history; they are committed to the store afterwards.
+    compressed history; they are committed to the store afterwards. A frozen layer (`TorchKVLayer.freeze`)
+    decodes on its fixed-shape buffers; any other step runs on its `KVStore`, and freezes it again after.
     """
     from torchkv.models.cache import TorchKVLayer
 
@@ -236,45 +262,57 @@ def torchkv_attention(
     if not isinstance(key, TorchKVLayer):
         out = _attend(query, key, value, attention_mask, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
-    kernel = key.prefill_kernel
-
     layer = key
+    if layer.frozen and query.shape[2] == 1:  # fixed-shape buffers: one graph for every step
+        (k_new, v_new), layer.pending, layer.layer_input = layer.pending, None, None
+        out = layer.static.decode_step(
+            query, k_new, v_new, attention_mask.padding, attention_mask.extra_rule, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
+    layer.thaw()
+    out = _attend_and_commit(layer, query, attention_mask, scaling, softcap, kwargs.get("position_ids"))
+    layer.freeze()
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_and_commit(layer, query, attention_mask: MaskSpec, scaling: float, softcap: float | None, position_ids):
+    """Attention of the staged tokens over a layer's `KVStore` and themselves, then their commit: `[B, Hq, Q, D]`."""
+    kernel = layer.prefill_kernel
     store = layer.store
     k_new, v_new = layer.pending
     start = store.length
-    commit = (attention_mask.valid(start, start + k_new.shape[2]), kwargs.get("position_ids"), {"queries": query})
+    commit = (attention_mask.valid(start, start + k_new.shape[2]), position_ids, {"queries": query})
     compiled = store.pipeline.compile and store.pipeline.selector is None
     if query.shape[2] == 1 and store.n_encoded and compiled and not layer.simulated:
         out, fp_attention = _compiled_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
         window = store.pipeline.window
         layer.commit(*commit, attention=fp_attention[None] if window and window.reads_attention else None)
-        return out.transpose(1, 2).contiguous(), None
+        return out
     if store.n_encoded and store.pipeline.selector is not None and not layer.simulated:
         out = _sparse(query, store, k_new, v_new, attention_mask, scaling, softcap)
         layer.commit(*commit)
-        return out.transpose(1, 2).contiguous(), None
+        return out
     if layer.simulated:  # every token, the queries' own included, is read in its stored form
         layer.commit(*commit)
         keys, values = store.history()
         out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
-        return out.transpose(1, 2).contiguous(), None
+        return out
     if not store.length:
         out = _attend(query, k_new, v_new, attention_mask, scaling, softcap, kernel)
         layer.commit(*commit)
-        return out.transpose(1, 2).contiguous(), None
+        return out
     k_old, v_old = store.history()
     keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
     if store.pipeline.window is None or not store.pipeline.window.reads_attention:
         out = _attend(query, keys, values, attention_mask, scaling, softcap, kernel)
         layer.commit(*commit)
-        return out.transpose(1, 2).contiguous(), None
+        return out
     # a window policy reads this step's own probabilities of the full-precision tokens
     mask = attention_mask.dense(query.shape[2], keys.shape[2], query.device)
     out, probs = attend_dense(query, keys, values, mask, scaling, softcap)
     probs = probs.mean((0, 1, 2))  # [Q, N], N in token order: sinks, encoded, window, new
     fp = torch.cat([probs[:, : store.n_sinks], probs[:, store.n_sinks + store.n_encoded :]], 1)
     layer.commit(*commit, attention=fp)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def register() -> None:

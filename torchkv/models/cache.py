@@ -3,8 +3,13 @@
 `update` only stages the new keys and values and returns the layer itself as a handle; the attention
 function registered by torchkv reads the handle, attends over the compressed history plus the new
 tokens, and then commits the new tokens to the layer's `KVStore`.
+
+With `max_cache_len`, layers whose pipeline allows it also hold a `StaticKVStore`: prompts still go through the
+`KVStore`, whose tokens then move into fixed-capacity buffers ("frozen"), where each decode step runs as pure
+tensor code. Such a cache `is_compileable`: a whole decode step (model and cache) compiles into one graph.
 """
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -12,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from torchkv.models.attention import PREFILL_KERNELS
 from torchkv.pipeline import KVPipeline
+from torchkv.static_store import StaticKVStore, static_refusal
 from torchkv.store import CrossLayer, KVStore, RopeFn
 
 
@@ -30,9 +36,14 @@ class TorchKVLayer(CacheLayerMixin):
         simulated: bool = False,
         prefill_kernel: str = "auto",
         cross_layer: CrossLayer | None = None,
+        max_cache_len: int | None = None,
     ):
         super().__init__()
         self.store = KVStore(pipeline, layer_idx, rope, cross_layer)
+        #: fixed-capacity buffers, which hold the tokens while `frozen` (decode steps), or None
+        self.static = None if max_cache_len is None else StaticKVStore(self.store.pipeline, max_cache_len)
+        self.is_compileable = self.static is not None
+        self.frozen = False
         self.is_sliding = is_sliding
         self.simulated = simulated
         self.prefill_kernel = prefill_kernel
@@ -70,23 +81,55 @@ class TorchKVLayer(CacheLayerMixin):
             self.layer_input = None
         self.store.append(k, v, valid=valid, positions=positions, inputs=inputs, attention=attention)
 
-    def get_seq_length(self) -> int:
+    def freeze(self) -> None:
+        """Move the store's tokens into the fixed-capacity buffers (after a prompt; eager)."""
+        if self.static is not None and not self.frozen and self.store.length:
+            self.static.freeze(self.store)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        """Move the tokens back from the fixed-capacity buffers into the store (before a multi-token step; eager)."""
+        if self.frozen:
+            self.static.thaw(self.store)
+            self.frozen = False
+
+    @property
+    def held(self) -> "KVStore | StaticKVStore":
+        """Whichever store holds the tokens now."""
+        return self.static if self.frozen else self.store
+
+    def get_seq_length(self) -> "int | torch.Tensor":
+        """Tokens held; a 0-d tensor while frozen (as transformers' static layers do), so that compiled steps
+        do not specialise on it."""
         staged = 0 if self.pending is None else self.pending[0].shape[2]
+        if self.frozen:
+            return self.static.buffers["length"] + staged
         return self.store.length + staged
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # every token is kept (absolute kv indices), the mask function applies any sliding window
+        if self.static is not None:
+            return self.static.capacity, 0
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.static is None else self.static.capacity
 
     def reset(self) -> None:
         self.store.reset()
+        self.frozen = False
         self.pending = self.layer_input = None
 
+    def _edit(self, edit: Callable[[KVStore], None]) -> None:
+        """Apply an edit to the store, with the tokens moved back into it for the edit if frozen."""
+        frozen = self.frozen
+        self.thaw()
+        edit(self.store)
+        if frozen:
+            self.freeze()
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.store.reorder(beam_idx)
+        self._edit(lambda store: store.reorder(beam_idx))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers' negative-count convention)."""
@@ -94,13 +137,13 @@ class TorchKVLayer(CacheLayerMixin):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number, the count of tokens to remove from the end"
             )
-        self.store.crop(-tokens_to_remove)
+        self._edit(lambda store: store.crop(-tokens_to_remove))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.store.repeat_interleave(repeats)
+        self._edit(lambda store: store.repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.store.reorder(torch.as_tensor(indices))
+        self._edit(lambda store: store.reorder(torch.as_tensor(indices)))
 
     def offload(self):
         raise NotImplementedError("torchkv caches are not offloaded; the compressed store stays on the layer's device")
@@ -120,6 +163,8 @@ class TorchKVCache(Cache):
             its compressed form (how papers report "simulated quantization" perplexity; use with
             residual 0 and no sinks).
         prefill_kernel: multi-token attention kernel, one of `attention.PREFILL_KERNELS`.
+        max_cache_len: the most tokens a layer will hold. Given, decode steps run on fixed-capacity buffers and
+            the cache `is_compileable` (a pipeline that cannot says why, with a warning, and keeps growing stores).
     """
 
     def __init__(
@@ -130,13 +175,24 @@ class TorchKVCache(Cache):
         sliding: list[bool] | None = None,
         simulated: bool = False,
         prefill_kernel: str = "auto",
+        max_cache_len: int | None = None,
     ):
         if prefill_kernel not in PREFILL_KERNELS:
             raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
         sliding = sliding or [False] * num_layers
         cross_layer = CrossLayer(num_layers) if pipeline.carries else None
+        if max_cache_len is not None:
+            reasons = {static_refusal(pipeline.for_layer(i)) for i in range(num_layers)} - {None}
+            if simulated:
+                reasons.add("simulated caches attend to every token after storing it")
+            if reasons:
+                warnings.warn(f"pipeline '{pipeline.name}' cannot decode on fixed-shape buffers (max_cache_len), so "
+                              f"the whole decode step cannot be compiled: {'; '.join(sorted(reasons))}. It decodes with "
+                              "per-layer compiled attention instead.", stacklevel=2)
+                max_cache_len = None
         layers = [
-            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel, cross_layer)
+            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel,
+                         cross_layer, max_cache_len)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
@@ -144,11 +200,11 @@ class TorchKVCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes of storage of every tensor held by every layer."""
-        return sum(layer.store.nbytes() for layer in self.layers)
+        return sum(layer.held.nbytes() for layer in self.layers)
 
     def encoded_bits_per_value(self) -> float:
         """Stored bits per encoded key or value over all layers, metadata included."""
-        stores = [layer.store for layer in self.layers if layer.store.n_encoded]
+        stores = [layer.held for layer in self.layers if layer.held.n_encoded]
         if not stores:
             return float("nan")
         bits = sum(s.encoded_bits_per_value() * s.n_encoded for s in stores)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import Cache
 
 from torchkv.models import arch
@@ -76,11 +76,13 @@ def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
 
 
 def new_cache(
-    model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None, simulated: bool = False
+    model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None, simulated: bool = False,
+    max_cache_len: int | None = None,
 ) -> TorchKVCache:
     """An empty compressed cache for `model` (the patched pipeline by default), to pass as `past_key_values`.
 
-    `simulated` stores new tokens before attending to them (see `TorchKVCache`)."""
+    `simulated` stores new tokens before attending to them; `max_cache_len` makes the cache compileable, with
+    fixed-capacity buffers for that many tokens (see `TorchKVCache`)."""
     state = _PATCHES.get(model)
     pipe = state.pipeline if pipeline is None and state is not None else resolve_pipeline(pipeline).for_model(model)
     config = model.config.get_text_config(decoder=True)
@@ -93,7 +95,8 @@ def new_cache(
             return arch.rope_fn(model, layer_idx)
 
     kernel = "auto" if state is None else state.prefill_kernel
-    return TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel)
+    return TorchKVCache(
+        pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel, max_cache_len)
 
 
 #: the keywords a cache travels under: `cache` since transformers 5.24, `past_key_values` before (and its
@@ -112,7 +115,7 @@ def _passed_cache(kwargs: dict) -> tuple[str | None, object]:
 def _stage_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Attention pre-hook: give the layer's torchkv cache the attention block's input X (after its norm)."""
     cache = _passed_cache(kwargs)[1]
-    if isinstance(cache, TorchKVCache):
+    if isinstance(cache, TorchKVCache) and cache.layers[module.layer_idx].store.tracks_input:
         cache.layers[module.layer_idx].layer_input = arch.attention_input(args, kwargs)
 
 
@@ -128,6 +131,18 @@ def cache_argument(model: nn.Module, cache) -> dict:
     return {_cache_keyword(model): cache}
 
 
+def _static_length(cache: StaticCache) -> int:
+    """The generation length an empty `StaticCache` was made for (what its full-attention layers hold)."""
+    full = [layer.max_cache_len for layer in cache.layers if not getattr(layer, "is_sliding", False)]
+    if not full:
+        raise ValueError(
+            "every layer of this model attends through a sliding window, so transformers' StaticCache does not "
+            "record the generation length, and torchkv keeps every token: pass "
+            "past_key_values=torchkv.new_cache(model, max_cache_len=N) instead of cache_implementation='static'"
+        )
+    return max(full)
+
+
 def _use_torchkv_cache(model: nn.Module, keyword: str, args: tuple, kwargs: dict):
     """Forward pre-hook: put a torchkv cache where the model would create a DynamicCache."""
     key, cache = _passed_cache(kwargs)
@@ -138,6 +153,9 @@ def _use_torchkv_cache(model: nn.Module, keyword: str, args: tuple, kwargs: dict
         return None
     if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
         kwargs[key or keyword] = new_cache(model)
+        return args, kwargs
+    if type(cache) is StaticCache and not cache.is_initialized:  # generate(cache_implementation="static")
+        kwargs[key or keyword] = new_cache(model, max_cache_len=_static_length(cache))
         return args, kwargs
     if isinstance(cache, Cache):
         raise ValueError(

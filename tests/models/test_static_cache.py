@@ -1,0 +1,159 @@
+"""Fixed-capacity caches (`max_cache_len`): decode steps on static buffers, and the whole step compiled."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import CompileConfig, StaticCache
+
+import torchkv
+import torchkv.transforms as T
+from torchkv.models import cache_argument
+from torchkv.static_store import StaticKVStore
+from torchkv.testing import TINY_ARCHITECTURES, tiny_model
+
+ARCHS = sorted(TINY_ARCHITECTURES)
+
+
+def lossless(sinks: int = 0) -> torchkv.KVPipeline:
+    """Exact storage (float32), eager: generation must equal the model's own token for token."""
+    cast = [T.quantize("cast", dtype="float32")]
+    return torchkv.KVPipeline(cast, cast, residual=8, chunk=8, sinks=sinks, compile=False)
+
+
+def _prompt(batch=2, length=80, pad=11, seed=0):
+    ids = torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask, n=40, **options):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          return_dict_in_generate=True, **options)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_buffers_generate_like_the_model(arch):
+    """cache_implementation="static" on a patched model decodes on fixed buffers (sinks, chunk flushes, left
+    padding, sliding-window layers, soft-capping) and still generates exactly what the model does."""
+    model = tiny_model(arch)
+    ids, mask = _prompt()
+    expected = _generate(model, ids, mask).sequences
+    with torchkv.patched(model, lossless(sinks=3)):
+        if all(torchkv.models.arch.sliding_layers(model)):  # a StaticCache of such a model keeps no length
+            with pytest.raises(ValueError, match="sliding window"):
+                _generate(model, ids, mask, cache_implementation="static")
+            out = _generate(model, ids, mask, cache=torchkv.new_cache(model, max_cache_len=120))
+        else:
+            out = _generate(model, ids, mask, cache_implementation="static")
+    cache = out.past_key_values
+    assert cache.is_compileable and all(isinstance(layer.held, StaticKVStore) for layer in cache.layers)
+    assert int(cache.layers[0].static.buffers["n_chunks"]) * 8 > 80  # chunks were encoded during decode
+    assert torch.equal(out.sequences, expected)
+
+
+def _decode(model, cache, ids, steps, forward=None, start=None):
+    """Greedy steps after a prompt; returns the logits of every step `[steps, B, V]`."""
+    forward = forward or model
+    passed = cache_argument(model, cache)
+    logits, out = model(input_ids=ids, **passed, use_cache=True).logits, []
+    position = ids.shape[1]
+    for _ in range(steps):
+        token = logits[:, -1:].argmax(-1)
+        logits = forward(input_ids=token, position_ids=torch.tensor([[position]]), **passed, use_cache=True).logits
+        out.append(logits[:, -1])
+        position += 1
+    return torch.stack(out)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("preset", ["kivi-2bit", "frontier-2bit", "squat-2bit"])
+def test_static_decode_matches_growing_store_on_smollm2(smollm2, preset):
+    """The same tokens in the same encoded form: the logits of fixed-buffer decode steps equal the growing store's."""
+    model, tokenizer = smollm2
+    ids = tokenizer("The history of the city of Paris begins " * 12, return_tensors="pt").input_ids[:, :100]
+    pipe = torchkv.KVPipeline.from_preset(preset, residual=32)
+    with torchkv.patched(model, pipe):
+        growing = _decode(model, torchkv.new_cache(model), ids, 40)
+        static = _decode(model, torchkv.new_cache(model, max_cache_len=160), ids, 40)
+    assert (static - growing).abs().max() < 1e-3
+
+
+@torch.no_grad()
+def test_whole_step_traces_into_one_graph_for_1000_tokens():
+    """fullgraph=True over model and cache, one graph for 1,000 steps across window flushes and chunk encodes,
+    and the compiled steps equal the eager ones."""
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    pipe = torchkv.KVPipeline.from_preset("kivi-2bit", residual=32)
+    counter = CompileCounterWithBackend("eager")
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=counter)
+    with torchkv.patched(model, pipe):
+        eager = _decode(model, torchkv.new_cache(model, max_cache_len=1100), ids, 1000)
+        compiled = _decode(model, torchkv.new_cache(model, max_cache_len=1100), ids, 1000, forward=step)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)  # float sums in another order
+
+
+@torch.no_grad()
+def test_inductor_whole_step_equals_eager():
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    pipe = torchkv.KVPipeline.from_preset("kivi-4bit", residual=32)
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+    with torchkv.patched(model, pipe):
+        eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 48)
+        compiled = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 48, forward=step)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_compiles_the_step_with_a_compile_config():
+    model = tiny_model("llama")
+    ids, mask = _prompt(batch=1, pad=0)
+    config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    with torchkv.patched(model, "kivi-4bit"):
+        eager = _generate(model, ids, mask, cache_implementation="static").sequences
+        compiled = _generate(model, ids, mask, cache_implementation="static", compile_config=config).sequences
+    assert hasattr(model, "_compiled_call")  # generate took the compiled path
+    assert torch.equal(compiled, eager)
+
+
+def test_static_storage_is_compressed():
+    """Fixed capacity is allocated up front, and compressed: kivi-2bit's buffers for 4,096 tokens take under a
+    third of transformers' StaticCache for the same tokens (fp32)."""
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    with torchkv.patched(model, "kivi-2bit"):
+        cache = torchkv.new_cache(model, max_cache_len=4096)
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+    static = StaticCache(config=model.config, max_cache_len=4096)
+    model(input_ids=ids, **cache_argument(model, static), use_cache=True)
+    full = sum(layer.keys.nbytes + layer.values.nbytes for layer in static.layers)
+    assert cache.nbytes() == sum(t.untyped_storage().nbytes() for layer in cache.layers
+                                 for t in layer.static.tensors().values())
+    assert cache.nbytes() < full / 3
+
+
+def test_capacity_overflow_is_a_clear_error():
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    with torchkv.patched(model, "kivi-4bit"):
+        cache = torchkv.new_cache(model, max_cache_len=64)
+        with pytest.raises(ValueError, match="max_cache_len"):
+            model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+
+
+@pytest.mark.parametrize("preset, reason", [
+    ("subkv-2bit", "window policy"), ("svdq-1.25bit", "window policy"), ("xquant-2bit", "layer input"),
+    ("squat-pre-2bit", "pre-RoPE"),
+])
+def test_presets_without_fixed_shapes_say_why_and_decode_per_layer(preset, reason):
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    with torchkv.patched(model, preset):
+        with pytest.warns(UserWarning, match=f"(?s){reason}.*per-layer"):
+            cache = torchkv.new_cache(model, max_cache_len=512)
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+    assert not cache.is_compileable
+    assert cache.get_seq_length() == ids.shape[1]

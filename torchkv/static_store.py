@@ -1,0 +1,258 @@
+"""StaticKVStore: one layer's compressed history in fixed-capacity buffers, for a decode step compiled whole.
+
+The same tokens in the same places as a `KVStore` (sinks, encoded chunks, full-precision window), but every
+buffer is sized once from `capacity` tokens and every count is a 0-d tensor, so one decode step is pure tensor
+code with fixed shapes: the new token is written at its slot, attention reads every slot under a mask of the
+live ones, and a window that just filled encodes its oldest chunk into the next chunk slot. Nothing branches
+on a count in Python, so `torch.compile(fullgraph=True)` traces one graph that serves every step, and CUDA
+graphs can replay it.
+
+Each buffer has one spare slot at its end (window: one token, encoded: one chunk) that takes the writes a step
+does not keep (the new token while it is a sink; the chunk encoded when the window is not full), so that a
+write never depends on a branch. Multi-token steps (prompts) run through a `KVStore` (`thaw`, then `freeze`).
+"""
+
+import torch
+
+from torchkv._compat import materialized
+from torchkv.pipeline import KVPipeline
+from torchkv.store import KVStore
+
+
+def static_refusal(pipeline: KVPipeline) -> str | None:
+    """Why `pipeline`'s decode step cannot run on fixed-shape buffers, or None when it can."""
+    if pipeline.window is not None:
+        return (f"its window policy ({pipeline.window.spec()['policy']}) keeps a data-dependent number of tokens "
+                "in full precision, so the window buffer has no fixed shape")
+    if pipeline.selector is not None:
+        return f"its {type(pipeline.selector).__name__} reads a data-dependent set of chunks (sparse attention)"
+    if pipeline.carries:
+        return "it predicts each layer from the previous layer's reconstruction of the whole history"
+    if "x" in pipeline.requires:
+        return "it caches the layer input X and rebuilds keys and values from it"
+    if {"cos", "sin"} & pipeline.requires:
+        return "it stores pre-RoPE keys, rotated at each position when read"
+    return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as unsigned bytes when it is a float8 tensor (which the CPU's `index_copy_` does not take)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+class StaticKVStore:
+    """Fixed-capacity buffers of one layer, filled from a `KVStore` and advanced one decode step at a time.
+
+    Args:
+        pipeline: the layer's pipeline (`KVPipeline.for_layer`); `static_refusal` must be None.
+        capacity: the most tokens the layer will hold (sinks, encoded and window together).
+    """
+
+    def __init__(self, pipeline: KVPipeline, capacity: int):
+        reason = static_refusal(pipeline)
+        if reason is not None:
+            raise ValueError(f"pipeline '{pipeline.name}' cannot use fixed-shape buffers: {reason}")
+        self.pipeline, self.capacity = pipeline, capacity
+        self.sinks, self.chunk = pipeline.sinks, pipeline.chunk
+        self.window = pipeline.residual + pipeline.chunk  # a full window holds this many
+        self.chunks = -(-capacity // self.chunk)  # chunk slots, the spare one not counted
+        self.buffers: dict[str, torch.Tensor] = {}  # allocated by the first `freeze`
+        self.rows: dict[str, int] = {}  # rows per chunk of each encoded state tensor
+        self.prepared: dict[str, torch.Tensor] = {}
+        self.params: dict[str, torch.Tensor] = {}
+
+    # -- to and from a KVStore (eager) ------------------------------------------------------------------
+
+    def _allocate(self, store: KVStore, like: torch.Tensor) -> None:
+        """Buffers for `store`'s batch, heads and dtype; the encoded layout is read from one encoded chunk."""
+        pipe, c = self.pipeline, self.chunk
+        b, h, d = like.shape[0], store.kv_heads, store.head_dim
+        probe = torch.zeros(b, h, c, d, dtype=like.dtype, device=like.device)
+        state = pipe.encode_chunk(probe, probe, prepared=store.prepared, params=store.params)
+        buffers = {}
+        for name, t in state.items():
+            self.rows[name] = t.shape[2]
+            buffers[f"encoded.{name}"] = t.new_zeros(b, t.shape[1], (self.chunks + 1) * t.shape[2], *t.shape[3:])
+        kv = {"dtype": like.dtype, "device": like.device}
+        buffers.update({
+            "sink_k": torch.zeros(b, h, self.sinks, d, **kv), "sink_v": torch.zeros(b, h, self.sinks, d, **kv),
+            "res_k": torch.zeros(b, h, self.window + 1, d, **kv), "res_v": torch.zeros(b, h, self.window + 1, d, **kv),
+            "res_valid": torch.zeros(b, self.window + 1, dtype=torch.bool, device=like.device),
+        })
+        for name in ("n_sinks", "n_chunks", "n_residual", "length"):
+            buffers[name] = torch.zeros((), dtype=torch.long, device=like.device)
+        if not torch.compiler.is_compiling():  # fixed addresses: in-place updates keep CUDA graphs valid
+            for t in buffers.values():
+                torch._dynamo.mark_static_address(t)
+        self.buffers = buffers
+
+    def freeze(self, store: KVStore) -> None:
+        """Copy `store`'s tokens into the buffers (allocated on first use or when the batch changes), then empty it."""
+        if store.length > self.capacity:
+            raise ValueError(f"the layer holds {store.length} tokens, more than max_cache_len={self.capacity}")
+        like = store.res_k if store.res_k is not None else store.sink_k
+        buf = self.buffers
+        if not buf or buf["res_k"].shape[0] != like.shape[0] or buf["res_k"].dtype != like.dtype:
+            self._allocate(store, like)
+            buf = self.buffers
+        s, n_enc, n_res = store.n_sinks, store.n_encoded, store.n_residual
+        for name, rows in self.rows.items():
+            if n_enc:
+                held = store.encoded[name]
+                buf[f"encoded.{name}"][:, :, : held.shape[2]] = held
+        if s:
+            buf["sink_k"][:, :, :s], buf["sink_v"][:, :, :s] = store.sink_k, store.sink_v
+        if n_res:
+            buf["res_k"][:, :, :n_res] = store.res_k[:, :, :n_res]
+            buf["res_v"][:, :, :n_res] = store.res_v[:, :, :n_res]
+            buf["res_valid"][:, :n_res] = store.res_valid[:, :n_res]
+        for name, n in (("n_sinks", s), ("n_chunks", n_enc // self.chunk), ("n_residual", n_res), ("length", store.length)):
+            buf[name].fill_(n)
+        self.prepared, self.params, self.dtype = store.prepared, store.params, store.dtype
+        self.kv_heads, self.head_dim = store.kv_heads, store.head_dim
+        store.reset()
+
+    def thaw(self, store: KVStore) -> None:
+        """Refill the (empty) `store` with the buffers' tokens, as the `KVStore` that held them would hold them."""
+        buf = self.buffers
+        s, chunks, n_res, length = (int(buf[n]) for n in ("n_sinks", "n_chunks", "n_residual", "length"))
+        store.reset()
+        store.prepared, store.params, store.dtype = self.prepared, self.params, self.dtype
+        store.kv_heads, store.head_dim = self.kv_heads, self.head_dim
+        if s:
+            store.sink_k, store.sink_v = buf["sink_k"][:, :, :s].clone(), buf["sink_v"][:, :, :s].clone()
+        if chunks:
+            store.encoded = {n: buf[f"encoded.{n}"][:, :, : chunks * rows].clone() for n, rows in self.rows.items()}
+        if n_res:
+            k, v = buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res]
+            store._reserve(k, v, n_res)
+            store.res_k[:, :, :n_res], store.res_v[:, :, :n_res] = k, v
+            store.res_valid[:, :n_res] = buf["res_valid"][:, :n_res]
+        store.n_encoded, store.n_residual, store.length = chunks * self.chunk, n_res, length
+
+    # -- one decode step (pure tensor code) ---------------------------------------------------------------
+
+    def _place(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
+        """Write the new token `[B, H, 1, D]` to the next sink slot while sinks are missing, else to the window."""
+        buf, s = self.buffers, self.sinks
+        slot = buf["n_residual"].clone()  # the count moves on below
+        if s:
+            to_sink = buf["n_sinks"] < s
+            put = (torch.arange(s, device=k.device) == buf["n_sinks"]) & to_sink  # [S]
+            for side, x in (("sink_k", k), ("sink_v", v)):
+                buf[side].copy_(torch.where(put[:, None], x, buf[side]))
+            slot = torch.where(to_sink, self.window, slot)  # the spare slot
+            buf["n_sinks"].add_(to_sink.long())
+            buf["n_residual"].add_(1 - to_sink.long())
+        else:
+            buf["n_residual"].add_(1)
+        buf["res_k"].index_copy_(2, slot.view(1), k)
+        buf["res_v"].index_copy_(2, slot.view(1), v)
+        buf["res_valid"].index_copy_(1, slot.view(1), valid)
+
+    def _live(self, padding: torch.Tensor | None, rule, position: torch.Tensor) -> torch.Tensor:
+        """[B or 1, 1, 1, N] bool: the slots the newest query attends to, in attention order (encoded, sinks, window).
+
+        A slot is live when it holds a token, that token is not padding, and the model's mask `rule` allows it
+        (None: the plain causal rule, under which every held token is visible to the newest one)."""
+        buf, c, w = self.buffers, self.chunk, self.window
+        device = position.device
+        enc_idx = torch.arange((self.chunks + 1) * c, device=device)
+        sink_idx = torch.arange(self.sinks, device=device)
+        res_idx = torch.arange(w, device=device)
+        live = torch.cat([enc_idx < buf["n_chunks"] * c, sink_idx < buf["n_sinks"], res_idx < buf["n_residual"]])[None]
+        # the token index of each slot: sinks come first, then the encoded chunks, then the window
+        index = torch.cat([enc_idx + buf["n_sinks"], sink_idx, res_idx + buf["n_sinks"] + buf["n_chunks"] * c])
+        if padding is not None:
+            live = live & padding.index_select(1, index.clamp(max=padding.shape[1] - 1))
+        if rule is not None:
+            batch = torch.arange(live.shape[0], device=device)[:, None, None, None]
+            allowed = rule(batch, torch.zeros_like(batch), position.view(1, 1, 1, 1), index.view(1, 1, 1, -1))
+            live = live & allowed[:, 0, 0]
+        return live[:, None, None]
+
+    def _flush(self) -> None:
+        """If the window is full, encode its oldest chunk into the next chunk slot and shift the window."""
+        buf, c, w = self.buffers, self.chunk, self.window
+        full = buf["n_residual"] == w
+        state = self.pipeline.encode_chunk(
+            buf["res_k"][:, :, :c], buf["res_v"][:, :, :c], prepared=self.prepared, params=self.params,
+            valid=buf["res_valid"][:, :c],
+        )
+        target = torch.where(full, buf["n_chunks"], self.chunks)  # the spare chunk slot when not full
+        for name, t in state.items():
+            rows = self.rows[name]
+            index = target * rows + torch.arange(rows, device=t.device)
+            _bits(buf[f"encoded.{name}"]).index_copy_(2, index, _bits(t))
+        for name, axis in (("res_k", 2), ("res_v", 2), ("res_valid", 1)):
+            t = buf[name]
+            kept, old = t.narrow(axis, c, w - c), t.narrow(axis, 0, w - c)
+            old.copy_(torch.where(full, kept, old))
+        buf["n_residual"].sub_(full.long() * c)
+        buf["n_chunks"].add_(full.long())
+
+    def decode_step(
+        self,
+        query: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        padding: torch.Tensor | None,
+        rule,
+        scaling: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Attend one new token over the held ones and itself, then keep it.
+
+        Args:
+            query: [B, Hq, 1, D]. k, v: [B, H, 1, D], the new token.
+            padding: [B, ≥ capacity] bool over token indices (False at padding), or None.
+            rule: the model's mask function `(b, h, q_idx, kv_idx) -> bool`, or None for the plain causal rule.
+
+        Returns:
+            [B, Hq, 1, D] in the query's dtype.
+        """
+        buf = self.buffers
+        position = buf["length"].clone()
+        valid = (torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device) if padding is None
+                 else padding.index_select(1, position.view(1)))
+        self._place(k, v, valid)
+        mask = self._live(padding, rule, position)
+        encoded = {n: buf[f"encoded.{n}"].unflatten(2, (self.chunks + 1, rows)) for n, rows in self.rows.items()}
+        k_fp = torch.cat([buf["sink_k"], buf["res_k"][:, :, : self.window]], 2)
+        v_fp = torch.cat([buf["sink_v"], buf["res_v"][:, :, : self.window]], 2)
+        out, _, _ = self.pipeline.attend_decode(
+            materialized(query), encoded, k_fp, v_fp, mask, scaling, softcap, prepared=self.prepared, params=self.params,
+        )
+        buf["length"].add_(1)
+        self._flush()
+        return out
+
+    # -- accounting -------------------------------------------------------------------------------------
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the store holds, by name."""
+        held = dict(self.buffers)
+        held.update({f"prepared.{n}": t for n, t in self.prepared.items()})
+        borrowed = self.pipeline.borrowed_params()
+        held.update({f"params.{n}": t for n, t in self.params.items() if n not in borrowed})
+        return held
+
+    def nbytes(self) -> int:
+        """Bytes of storage of every tensor held (the full capacity of every buffer)."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors().values())
+
+    @property
+    def n_encoded(self) -> int:
+        return int(self.buffers["n_chunks"]) * self.chunk if self.buffers else 0
+
+    def encoded_bits_per_value(self) -> float:
+        """Stored bits per encoded key or value, metadata included, of the encoded tokens only."""
+        chunks = self.n_encoded // self.chunk
+        if not chunks:
+            return float("nan")
+        stored = 0
+        for name, rows in self.rows.items():
+            t = self.buffers[f"encoded.{name}"]
+            stored += t[:, :, : chunks * rows].numel() * t.element_size()
+        batch = self.buffers["res_k"].shape[0]
+        return 8 * stored / (2 * chunks * self.chunk * batch * self.kv_heads * self.head_dim)
