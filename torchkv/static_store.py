@@ -63,24 +63,24 @@ class StaticKVStore:
 
     # -- to and from a KVStore (eager) ------------------------------------------------------------------
 
-    def _allocate(self, store: KVStore, like: torch.Tensor) -> None:
+    def _allocate(self, store: KVStore, batch: int, device: torch.device) -> None:
         """Buffers for `store`'s batch, heads and dtype; the encoded layout is read from one encoded chunk."""
         pipe, c = self.pipeline, self.chunk
-        b, h, d = like.shape[0], store.kv_heads, store.head_dim
-        probe = torch.zeros(b, h, c, d, dtype=like.dtype, device=like.device)
+        b, h, d = batch, store.kv_heads, store.head_dim
+        probe = torch.zeros(b, h, c, d, dtype=store.dtype, device=device)
         state = pipe.encode_chunk(probe, probe, prepared=store.prepared, params=store.params)
         buffers = {}
         for name, t in state.items():
             self.rows[name] = t.shape[2]
             buffers[f"encoded.{name}"] = t.new_zeros(b, t.shape[1], (self.chunks + 1) * t.shape[2], *t.shape[3:])
-        kv = {"dtype": like.dtype, "device": like.device}
+        kv = {"dtype": store.dtype, "device": device}
         buffers.update({
             "sink_k": torch.zeros(b, h, self.sinks, d, **kv), "sink_v": torch.zeros(b, h, self.sinks, d, **kv),
             "res_k": torch.zeros(b, h, self.window + 1, d, **kv), "res_v": torch.zeros(b, h, self.window + 1, d, **kv),
-            "res_valid": torch.zeros(b, self.window + 1, dtype=torch.bool, device=like.device),
+            "res_valid": torch.zeros(b, self.window + 1, dtype=torch.bool, device=device),
         })
         for name in ("n_sinks", "n_chunks", "n_residual", "length"):
-            buffers[name] = torch.zeros((), dtype=torch.long, device=like.device)
+            buffers[name] = torch.zeros((), dtype=torch.long, device=device)
         if not torch.compiler.is_compiling():  # fixed addresses: in-place updates keep CUDA graphs valid
             for t in buffers.values():
                 torch._dynamo.mark_static_address(t)
@@ -90,10 +90,11 @@ class StaticKVStore:
         """Copy `store`'s tokens into the buffers (allocated on first use or when the batch changes), then empty it."""
         if store.length > self.capacity:
             raise ValueError(f"the layer holds {store.length} tokens, more than max_cache_len={self.capacity}")
-        like = store.res_k if store.res_k is not None else store.sink_k
+        held = [t for t in (store.res_k, store.sink_k, *store.encoded.values()) if t is not None]
+        batch, device = held[0].shape[0], held[0].device
         buf = self.buffers
-        if not buf or buf["res_k"].shape[0] != like.shape[0] or buf["res_k"].dtype != like.dtype:
-            self._allocate(store, like)
+        if not buf or buf["res_k"].shape[0] != batch or buf["res_k"].dtype != store.dtype:
+            self._allocate(store, batch, device)
             buf = self.buffers
         s, n_enc, n_res = store.n_sinks, store.n_encoded, store.n_residual
         for name, rows in self.rows.items():

@@ -157,3 +157,16 @@ def test_presets_without_fixed_shapes_say_why_and_decode_per_layer(preset, reaso
         model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
     assert not cache.is_compileable
     assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_a_prompt_that_leaves_no_window_token_freezes():
+    """No sinks and no full-precision window: after the prompt every token is encoded."""
+    model = tiny_model("llama")
+    ids, mask = _prompt(pad=0)
+    cast = [T.quantize("cast", dtype="float32")]
+    pipe = torchkv.KVPipeline(cast, cast, residual=0, chunk=8, compile=False)
+    expected = _generate(model, ids, mask).sequences
+    with torchkv.patched(model, pipe):
+        out = _generate(model, ids, mask, cache_implementation="static")
+    assert isinstance(out.past_key_values.layers[0].held, StaticKVStore)
+    assert torch.equal(out.sequences, expected)
