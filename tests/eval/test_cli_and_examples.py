@@ -149,10 +149,13 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
 @pytest.mark.model
 def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
     out = tmp_path / "decode.json"
-    done = _run("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32",
+    # the whole-step compiled rows (static-compiled, compiled:PRESET) compile SmolLM2 for minutes: tested on a tiny
+    # model in tests/models/test_static_cache.py
+    eager = ("--baselines", "dynamic,quanto-4bit,quanto-2bit", "--compiled-presets", "")
+    done = _run("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32", *eager,
                 "--presets", "kivi-4bit", "--new-tokens", "2", "--kernel-presets", "kivi-2bit", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
-    done = _run("benchmarks/decode.py", "--append", "--cells", "512x2", "--dtypes", "float32",
+    done = _run("benchmarks/decode.py", "--append", "--cells", "512x2", "--dtypes", "float32", *eager,
                 "--presets", "", "--new-tokens", "2", "--kernel-presets", "", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())

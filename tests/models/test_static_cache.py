@@ -96,7 +96,7 @@ def test_whole_step_traces_into_one_graph_for_1000_tokens():
 
 
 @torch.no_grad()
-def test_inductor_whole_step_equals_eager():
+def test_inductor_whole_step_equals_eager():  # its graph is the one the benchmark row test below reuses
     model = tiny_model("llama")
     ids, _ = _prompt(batch=1, pad=0)
     pipe = torchkv.KVPipeline.from_preset("kivi-4bit", residual=32)
@@ -170,3 +170,24 @@ def test_a_prompt_that_leaves_no_window_token_freezes():
         out = _generate(model, ids, mask, cache_implementation="static")
     assert isinstance(out.past_key_values.layers[0].held, StaticKVStore)
     assert torch.equal(out.sequences, expected)
+
+
+def test_benchmark_rows_of_the_whole_step():
+    """`compiled:PRESET` rows decode with the compiled forward over a fixed-capacity cache (what
+    `benchmarks/decode.py` times), and `static-compiled` is transformers' StaticCache."""
+    from torchkv.eval.rows import method
+    from torchkv.eval.speed import _run
+
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    row = method("compiled:kivi-4bit:residual=32")
+    with row.active(model):
+        *_, cache = _run(model, row, ids, 3, capacity=200)
+    assert row.kind == "torchkv" and cache.is_compileable and cache.layers[0].frozen
+    assert int(cache.get_seq_length()) == ids.shape[1] + 2 + 3  # the speed module's untimed steps, then the timed
+    baseline = method("static-compiled")
+    assert baseline.kind == "static" and isinstance(baseline.new_cache(model, max_cache_len=64), StaticCache)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        baseline.new_cache(model)
+    with pytest.raises(ValueError, match="only torchkv rows"):
+        method("compiled:dynamic")
