@@ -97,10 +97,8 @@ class StaticKVStore:
             self._allocate(store, batch, device)
             buf = self.buffers
         s, n_enc, n_res = store.n_sinks, store.n_encoded, store.n_residual
-        for name, rows in self.rows.items():
-            if n_enc:
-                held = store.encoded[name]
-                buf[f"encoded.{name}"][:, :, : held.shape[2]] = held
+        for name, held in store.encoded.items():
+            buf[f"encoded.{name}"][:, :, : held.shape[2]] = held
         if s:
             buf["sink_k"][:, :, :s], buf["sink_v"][:, :, :s] = store.sink_k, store.sink_v
         if n_res:

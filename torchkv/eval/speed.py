@@ -27,7 +27,7 @@ def _run(
     """Prefill `ids` into a fresh cache, then greedy-decode; returns (prefill s, warm-up s, decode s, cache).
     Compiled rows get a cache of `capacity` tokens (the same for every run, so that one graph serves them)."""
     device = ids.device
-    cache = method.new_cache(model, max_cache_len=capacity) if method.compiled else method.new_cache(model)
+    cache = method.new_cache(model, max_cache_len=capacity)  # the capacity is ignored by growing caches
     forward = method.decode_forward(model)
     passed = cache_argument(model, cache)
     sync(device)

@@ -120,20 +120,19 @@ def torchkv_mask(
         return attention_mask
     if kv_offset:
         raise ValueError("torchkv caches keep every token; a non-zero kv_offset means a foreign cache layer")
-    if not isinstance(q_offset, torch.Tensor) or not torch.compiler.is_compiling():
-        if int(q_offset) + q_length > kv_length:  # only a fixed-capacity cache reports fewer
+    compiling = torch.compiler.is_compiling()
+    if not (compiling and isinstance(q_offset, torch.Tensor)):
+        q_offset = int(q_offset)
+        if q_offset + q_length > kv_length:  # only a fixed-capacity cache reports fewer
             raise ValueError(
-                f"the cache holds at most {kv_length} tokens (max_cache_len) and would hold {int(q_offset) + q_length}: "
+                f"the cache holds at most {kv_length} tokens (max_cache_len) and would hold {q_offset + q_length}: "
                 "create it with a larger max_cache_len (generate sizes it from max_new_tokens with "
                 "cache_implementation='static')"
             )
-    compiling = torch.compiler.is_compiling()
     padding = None
     if attention_mask is not None and (compiling or not bool(attention_mask.all())):
         # positions past the mask are tokens still to come
         padding = F.pad(attention_mask, (0, max(0, kv_length - attention_mask.shape[-1])), value=True)
-    if not (compiling and isinstance(q_offset, torch.Tensor)):
-        q_offset = int(q_offset)
     return MaskSpec(mask_function, padding, q_offset)
 
 
