@@ -59,7 +59,7 @@ def _timed(fn, reps: int, device: torch.device) -> float:
 
 def kernel_row(preset: str, context: int, batch: int, device: torch.device, heads=3, groups=3, dim=64) -> dict:
     """One layer's decode attention: torchkv over packed codes vs DynamicCache's concat + SDPA over fp32."""
-    pipe = torchkv.KVPipeline.from_preset(preset, residual=128)
+    pipe = torchkv.KVPipeline.from_preset(preset, residual=128, compile=True)
     gen = torch.Generator().manual_seed(0)
     n_enc = (context - 128) // pipe.chunk * pipe.chunk
 

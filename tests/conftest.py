@@ -15,6 +15,15 @@ settings.load_profile("torchkv")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True)
+def compile_auto_at_first_call(monkeypatch):
+    """`compile="auto"` (the default) compiles at a function's first call in tests, so that they exercise the
+    compiled path they were written for; `tests/test_compile_auto.py` tests the deferral itself."""
+    import torchkv.pipeline
+
+    monkeypatch.setattr(torchkv.pipeline, "EAGER_SECONDS_BEFORE_COMPILE", 0.0)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer): the real SmolLM2-135M-Instruct in float32, shared by the session (never mutate it

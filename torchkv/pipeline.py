@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,10 @@ FORMAT_VERSION = 1
 DEFAULT_PRESET = "kivi-4bit"
 #: compiled code rounds through the stored metadata dtypes exactly as eager does
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
+#: `compile="auto"`: eager run time a function accrues before it is compiled. About what compiling one function costs
+#: with Inductor's on-disk cache warm (2-4 s on 2 CPU cores; 10-20 s cold): a process stops paying the eager price
+#: once it has paid as much as compiling would cost (ski rental), and a short generation never waits for a compile.
+EAGER_SECONDS_BEFORE_COMPILE = 5.0
 #: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
 #: in the value chain, this layer's reconstructed keys ("keys"), both in the chain's carried space (`Chain.carry_index`)
 CROSS_INPUTS = frozenset({"previous", "keys"})
@@ -288,7 +293,9 @@ class KVPipeline:
             decide whether a full window (`residual + chunk` tokens) flushes or grows; `PromptOnly`
             keeps every token after the prompt in full precision. None: a full window always flushes.
         compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
-            attention then reads packed codes directly when both chains allow it (`fused`).
+            attention then reads packed codes directly when both chains allow it (`fused`). "auto" runs each of
+            those functions eagerly until it has spent `EAGER_SECONDS_BEFORE_COMPILE` (host time) in this process,
+            then compiles it; True compiles at the first call; False never compiles.
         layers: `{layer: (keys, values)}`, the transforms of particular layers instead of `keys`/`values`
             (AQUA-KV stores layer 0, which has no previous layer to predict from, at a higher width; XQuant-CL
             keeps its first layers at 4 bits; `torchkv tune` gives every layer the widths its sensitivity
@@ -305,7 +312,7 @@ class KVPipeline:
         sinks: int = 0,
         chunk: int | None = None,
         window: windows.WindowPolicy | None = None,
-        compile: bool = True,
+        compile: bool | str = "auto",
         layers: Mapping[int, tuple[list[Transform], list[Transform]]] | None = None,
     ):
         self.keys, self.values = Chain(keys), Chain(values)
@@ -335,9 +342,21 @@ class KVPipeline:
         self.name = "custom"
         self.options: dict[str, Any] = {}
         self._compiled: dict[str, Any] = {}
+        self._eager_seconds: dict[str, float] = {}  # `compile="auto"`: host time each function has run eagerly
         self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
         self._layer_pipes: dict[tuple, KVPipeline] = {}  # built by `for_layer`, by chains and window rules
         self._for_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # built by `for_model`
+
+    @property
+    def compile(self) -> bool | str:
+        """When encoding and decode attention compile: "auto", True or False (see `KVPipeline`)."""
+        return self._compile
+
+    @compile.setter
+    def compile(self, when: bool | str) -> None:
+        if when not in (True, False, "auto"):
+            raise ValueError(f"compile={when!r}: pass True (compile at the first call), False (never) or 'auto'")
+        self._compile = when
 
     def _rules(self) -> tuple:
         return self.residual, self.sinks, self.chunk, self.window
@@ -370,10 +389,10 @@ class KVPipeline:
     # -- presets -------------------------------------------------------------------------------------
 
     @classmethod
-    def from_preset(cls, name: str, *, compile: bool = True, **overrides: Any) -> "KVPipeline":
+    def from_preset(cls, name: str, *, compile: bool | str = "auto", **overrides: Any) -> "KVPipeline":
         """The preset `name` (see `torchkv.presets()`), with keyword overrides of its options.
 
-        `compile=False` runs eagerly (no compilation, no packed-code decode attention)."""
+        `compile` as in `KVPipeline`; False also reads no packed codes in decode attention (rebuilt history)."""
         import torchkv.methods  # noqa: F401  (fills the preset registry)
 
         preset = registry.preset(name)
@@ -450,6 +469,12 @@ class KVPipeline:
         fn = getattr(self, name)
         if not self.compile or torch.compiler.is_compiling():  # inside a whole-step graph: traced into it
             return fn(*args)
+        spent = self._eager_seconds.get(name, 0.0)
+        if self.compile == "auto" and name not in self._compiled and spent < EAGER_SECONDS_BEFORE_COMPILE:
+            start = time.perf_counter()
+            out = fn(*args)
+            self._eager_seconds[name] = spent + time.perf_counter() - start
+            return out
         if name not in self._compiled:
             # static shapes except the axes callers mark dynamic: automatic dynamic would also generalize
             # axes that differ between pipelines (code widths), which stops Inductor vectorizing
@@ -561,6 +586,7 @@ class KVPipeline:
             carry: for pipelines that `carries`, this layer's reconstruction of the encoded tokens as
                 `decode_chunk` returns it (the next layer's "previous"); else empty.
         """
+        k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()  # a window's view or a fresh tensor: one graph for both
         for t in (*encoded.values(), k_fp, v_fp):
             mark_dynamic(t, 2)  # one graph for every number of chunks and window size
         for t in (inputs or {}).values():
@@ -597,6 +623,7 @@ class KVPipeline:
         _check_kv(k, v)
         if k.shape[2] % self.chunk:
             raise ValueError(f"encode_chunk got {k.shape[2]} tokens; it takes a multiple of chunk={self.chunk}")
+        k, v = k.contiguous(), v.contiguous()  # a prompt's transposed projection or a window's view: one graph
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
                 mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks

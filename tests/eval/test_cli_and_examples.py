@@ -170,3 +170,16 @@ def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
     table = (tmp_path / "decode.md").read_text()
     assert "| kivi-4bit | " in table and "float32 b2 512" in table and "| kivi-2bit | 512 | 1 |" in table
     assert (tmp_path / "decode.png").stat().st_size > 10_000
+
+
+@pytest.mark.model
+def test_cold_start_benchmark_times_fresh_processes_and_counts_their_graphs(tmp_path):
+    out = tmp_path / "cold.json"
+    done = _run("benchmarks/cold_start.py", "--rows", "dynamic,kivi-2bit", "--compile-first", "", "--modes", "cold",
+                "--prompt-tokens", "300", "--new-tokens", "4", "--later-tokens", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["row"], r["mode"]) for r in rows] == [("dynamic", "cold"), ("kivi-2bit", "cold")]
+    assert rows[1]["graphs_first"] == 0, "compile='auto' compiled within a 4-token generation"
+    assert all(r["first_s"] > 0 and r["graphs_after_first"] == 0 for r in rows)
+    assert "| kivi-2bit | " in done.stdout

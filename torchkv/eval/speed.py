@@ -1,6 +1,8 @@
 """Generation profile: prefill and decode throughput, cache bytes and peak memory, in one measured run."""
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -8,6 +10,7 @@ from torchkv.eval import memory
 from torchkv.eval.data import token_stream
 from torchkv.eval.rows import Method, cache_nbytes
 from torchkv.models import cache_argument
+from torchkv.pipeline import KVPipeline
 
 
 def sync(device: torch.device) -> None:
@@ -56,6 +59,20 @@ def _warm_lengths(method: Method) -> tuple[int, int]:
     return start + 2 * pipe.chunk, start + 3 * pipe.chunk
 
 
+@contextlib.contextmanager
+def _compiled_at_first_call(pipe: KVPipeline | None) -> Iterator[None]:
+    """A throughput measurement times the compiled steady state: `compile="auto"` would run eagerly through the
+    untimed warm-up runs (what a fresh process pays first is `benchmarks/cold_start.py`'s measurement)."""
+    if pipe is None or pipe.compile != "auto":
+        yield
+        return
+    pipe.compile = True
+    try:
+        yield
+    finally:
+        pipe.compile = "auto"
+
+
 def generation_profile(model, tokenizer, method: Method, context: int, new_tokens: int = 32, batch: int = 1) -> dict:
     """Measure one generation of `new_tokens` after a `context`-token prompt (batch rows of held-out text).
 
@@ -71,7 +88,7 @@ def generation_profile(model, tokenizer, method: Method, context: int, new_token
     device = next(model.parameters()).device
     ids = stream[: batch * context].view(batch, context).to(device)
     capacity = context + WARM_STEPS + new_tokens
-    with method.active(model):
+    with _compiled_at_first_call(method.pipeline), method.active(model):
         for warm in _warm_lengths(method):
             _run(model, method, ids[:, :warm], 2, capacity)
         start_rss = memory.current_rss()
