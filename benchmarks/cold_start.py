@@ -47,15 +47,14 @@ def child(row: str, prompt_tokens: int, new_tokens: int, later_tokens: int) -> d
         config = CompileConfig(fullgraph=True, dynamic=False)
         config._compile_all_devices = True  # transformers compiles only on GPUs unless told
         kwargs = {"cache_implementation": "static", "compile_config": config}
-    elif m.pipeline is None:
-        kwargs = {"past_key_values": lambda: m.new_cache(model)}
+    baseline_cache = m.pipeline is None and not m.compiled  # DynamicCache or QuantizedCache, fresh per call
     if m.pipeline is not None:
         if compile_first:
             m.pipeline.compile = True
         torchkv.patch(model, m.pipeline)
 
     def generate(tokens: int) -> float:
-        passed = {k: v() if callable(v) else v for k, v in kwargs.items()}
+        passed = {**kwargs, "past_key_values": m.new_cache(model)} if baseline_cache else kwargs
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **passed)
