@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         results["meta"]["runs"] = kept["meta"]["runs"] + results["meta"]["runs"]
         results["rows"] = [r for r in kept["rows"] if r["row"] not in rows]
     with tempfile.TemporaryDirectory() as scratch:
-        for row in rows:
-            cache_dir = Path(scratch) / f"inductor-{rows.index(row)}"  # cold at the row's first mode
+        for i, row in enumerate(rows):
+            cache_dir = Path(scratch) / f"inductor-{i}"  # cold at the row's first mode
             for mode in args.modes.split(","):
                 command = [sys.executable, __file__, "--child", row, "--prompt-tokens", str(args.prompt_tokens),
                            "--new-tokens", str(args.new_tokens), "--later-tokens", str(args.later_tokens)]
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(results: dict) -> str:
     """Markdown: first-call seconds per row and mode, with its ratio to DynamicCache's and seconds over it."""
-    rows, modes = {"dynamic": {}}, []  # the reference first
+    rows, modes = {}, []
     for r in results["rows"]:
         rows.setdefault(r["row"], {})[r["mode"]] = r
         modes += [r["mode"]] if r["mode"] not in modes else []
@@ -135,10 +135,8 @@ def table(results: dict) -> str:
     head = [f"{mode} first call s (x dynamic, + s)" for mode in modes]
     lines = ["| row | " + " | ".join(head) + " | same call again s | graphs compiled in the first call / after it |",
              "|---|" + "---|" * (len(modes) + 2)]
-    for name, by_mode in rows.items():
-        if not by_mode:
-            continue
-        cells = []
+    for name in sorted(rows, key=lambda n: n != "dynamic"):  # the reference first, then as measured
+        by_mode, cells = rows[name], []
         for mode in modes:
             r, ref = by_mode.get(mode), reference.get(mode)
             if r is None:
