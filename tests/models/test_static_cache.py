@@ -82,7 +82,8 @@ def test_static_decode_matches_growing_store_on_smollm2(smollm2, preset):
 @torch.no_grad()
 def test_whole_step_traces_into_one_graph_for_1000_tokens():
     """fullgraph=True over model and cache, one graph for 1,000 steps across window flushes and chunk encodes,
-    and the compiled steps equal the eager ones."""
+    and the compiled steps equal the eager ones. On the CPU each layer encodes its window under a `torch.cond`,
+    so a step whose window is not full encodes nothing."""
     model = tiny_model("llama")
     ids, _ = _prompt(batch=1, pad=0)
     pipe = torchkv.KVPipeline.from_preset("kivi-2bit", residual=32)
@@ -92,14 +93,17 @@ def test_whole_step_traces_into_one_graph_for_1000_tokens():
         eager = _decode(model, torchkv.new_cache(model, max_cache_len=1100), ids, 1000)
         compiled = _decode(model, torchkv.new_cache(model, max_cache_len=1100), ids, 1000, forward=step)
     assert counter.frame_count == 1
+    conds = [n for n in counter.graphs[0].graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(conds) == model.config.num_hidden_layers
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)  # float sums in another order
 
 
 @torch.no_grad()
-def test_inductor_whole_step_equals_eager():  # its graph is the one the benchmark row test below reuses
+@pytest.mark.parametrize("preset", ["kivi-4bit", "frontier-2bit"])
+def test_inductor_whole_step_equals_eager(preset):  # kivi-4bit's graph is the one the benchmark row test below reuses
     model = tiny_model("llama")
     ids, _ = _prompt(batch=1, pad=0)
-    pipe = torchkv.KVPipeline.from_preset("kivi-4bit", residual=32)
+    pipe = torchkv.KVPipeline.from_preset(preset, residual=32)
     step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
     with torchkv.patched(model, pipe):
         eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 48)

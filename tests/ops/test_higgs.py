@@ -26,11 +26,6 @@ def _rel(x: torch.Tensor, xhat: torch.Tensor) -> torch.Tensor:
     return (xhat - x).square().sum(-1) / x.square().sum(-1)
 
 
-def _nearest(u: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """`nearest` over many points, in slices (it holds a [points, n] score matrix)."""
-    return torch.cat([nearest(part, grid) for part in u.split(1 << 15)])
-
-
 def _roundtrip(x, grid, block=None, scale_dtype=torch.float32):
     codes, scale = higgs_quantize(x, grid, block, scale_dtype=scale_dtype)
     return higgs_dequantize(codes, scale, grid, block)
@@ -81,6 +76,23 @@ def test_nearest_is_brute_force_argmin(seed, grid_index, spread):
     assert torch.equal(codes[clear], dist.argmin(-1)[clear])
 
 
+@pytest.mark.parametrize("d,n", GRIDS)
+def test_nearest_compiled_and_in_blocks_is_brute_force_argmin(d, n):
+    """Both kernels: eager scores rows in blocks (3,000 rows are two), compiled code in one fused loop."""
+    grid = load_grid(n, d)
+    u = torch.randn(10, 300, d, generator=_gen(n + d)) * 2
+    dist = (u.double()[..., None, :] - grid.double()).square().sum(-1)  # [10, 300, n]
+    top2 = dist.topk(2, dim=-1, largest=False).values
+    clear = top2[..., 1] - top2[..., 0] > 1e-4  # ties excluded
+    torch.compiler.reset()  # each grid's graphs, within the recompile limit
+    compiled = torch.compile(nearest, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+    for codes in (nearest(u, grid), compiled(u, grid), compiled(u[:, ::2], grid)):
+        assert codes.dtype == torch.long
+        expected = dist.argmin(-1)[:, :: 300 // codes.shape[1]]
+        mask = clear[:, :: 300 // codes.shape[1]]
+        assert torch.equal(codes[mask], expected[mask])
+
+
 @pytest.mark.parametrize("span", ["head", "token"])
 @pytest.mark.parametrize("bits,dim", [(2, 2), (3, 2), (4, 2), (2, 4)])
 def test_bits_per_value_measured_on_packed_storage(bits, dim, span):
@@ -125,7 +137,7 @@ def test_gaussian_relative_mse_of_shipped_grids():
         mse[d, n] = torch.cat([_rel(x, _roundtrip(x, grid)) for x in torch.randn(4, 128, 1024, generator=g)]).mean()
         # the per-coordinate MSE of the grid itself on N(0, I_d) samples
         u = torch.randn(1 << 20, d, generator=g)
-        grid_mse = (u - grid[_nearest(u, grid)]).square().mean()
+        grid_mse = (u - grid[nearest(u, grid)]).square().mean()
         for value in (mse[d, n], grid_mse):
             assert 0.95 * REFERENCE_MSE[d, n] <= value <= 1.03 * REFERENCE_MSE[d, n], (d, n, value)
     assert mse[8, 256] > mse[2, 16] > mse[2, 64] > mse[2, 256]
@@ -137,7 +149,7 @@ def test_one_bit_grid_lies_between_the_scalar_quantizer_and_the_rate_distortion_
     must beat the best scalar 1-bit quantizer (±√(2/π): MSE 1 − 2/π ≈ 0.363), which is one of its candidates."""
     grid = load_grid(256, 8)
     u = torch.randn(1 << 20, 8, generator=_gen(81))
-    mse = (u - grid[_nearest(u, grid)]).square().mean().item()
+    mse = (u - grid[nearest(u, grid)]).square().mean().item()
     scalar = torch.tensor([-1.0, 1.0]) * math.sqrt(2 / math.pi)
     scalar_mse = (u - scalar[(u > 0).long()]).square().mean().item()
     assert 0.25 < mse < 0.95 * scalar_mse, (mse, scalar_mse)
@@ -149,7 +161,7 @@ def test_shipped_grids_are_lloyd_fixed_points(d, n):
     more Lloyd step on a fresh sample gains almost nothing."""
     grid = load_grid(n, d).double()
     x = torch.randn(1 << 21, d, generator=_gen(2024)).double()
-    codes = _nearest(x, grid)
+    codes = nearest(x, grid)
     count = torch.bincount(codes, minlength=n).double()
     assert count.min() > 100
     centroid = torch.zeros(n, d, dtype=torch.float64).index_add_(0, codes, x) / count[:, None]
@@ -170,7 +182,7 @@ def test_lloyd_grid_is_deterministic_and_sorted():
     assert not torch.equal(first, lloyd_grid(16, 2, samples=4096, iters=6, seed=4))
     assert torch.all(first[1:, 0] >= first[:-1, 0])  # lexicographic order
     u = torch.randn(1 << 16, 2, generator=_gen(0))
-    assert (u - first[_nearest(u, first)]).square().mean() < 1.1 * REFERENCE_MSE[2, 16]
+    assert (u - first[nearest(u, first)]).square().mean() < 1.1 * REFERENCE_MSE[2, 16]
     with pytest.raises(ValueError, match="positive sizes"):
         lloyd_grid(16, 2, samples=0, iters=1, seed=0)
 

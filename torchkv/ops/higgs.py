@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from torchkv._compat import materialized
 from torchkv.ops.hadamard import hadamard
 
 #: (dim, points) of the shipped grids: d=2 with 16/64/256 points (2/3/4 bits per value), d=4 with 256 (2 bits),
@@ -31,7 +32,8 @@ GRID_SEED = 0
 GRID_FILE = Path(__file__).resolve().parent.parent / "data" / "higgs_grids.safetensors"
 #: over-relaxation of the first half of the Lloyd iterations: speeds up its slow (near-neutral) modes
 _RELAX = 1.5
-_ASSIGN_ROWS = 4096
+#: rows of eager `nearest` scored at a time: [2048, 256] float32 scores fit a core's L2 cache
+_EAGER_ROWS = 2048
 
 
 def grid_key(points: int, dim: int) -> str:
@@ -47,12 +49,23 @@ def nearest(u: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         grid: [n, d] float.
 
     Returns:
-        [...] long (ties resolve to the lowest index). Holds an [M, n] float32 score matrix, M = u.numel()/d.
+        [...] long (ties resolve to the lowest index). Eager code holds [_EAGER_ROWS, n] float32 scores at a time.
     """
     g = grid.to(device=u.device, dtype=torch.float32)
-    flat = u.reshape(-1, u.shape[-1]).float()  # [M, d]
-    scores = torch.addmm(-g.square().sum(-1), flat, 2 * g.T)  # [M, n]
-    return scores.argmax(-1).reshape(u.shape[:-1])
+    d = g.shape[-1]
+    flat = u.reshape(-1, d).float()  # [M, d]
+    bias, weight = -g.square().sum(-1), 2 * g  # [n], [n, d]
+    if torch.compiler.is_compiling():
+        # One fused loop over the grid per row. Its d coordinates are copied out as d contiguous rows first, opaquely:
+        # fused into the loop, Inductor gathered them with stride d (and recomputed their producers) for every
+        # grid point, 9x slower on CPU (27 ms against 3 ms to encode 864 tokens x 3 heads of 64 on the 4-D grid).
+        coords = materialized(flat.T.contiguous())  # [d, M]
+        scores = bias + sum(coords[i, :, None] * weight[:, i] for i in range(d))  # [M, n]
+        return scores.argmax(-1).reshape(u.shape[:-1])
+    # eager: blocks of scores that stay in cache, and max's indices (3.4x faster than one argmax over [M, n] on CPU)
+    parts = flat.split(_EAGER_ROWS) if flat.device.type == "cpu" else (flat,)
+    codes = [torch.addmm(bias, part, weight.T).max(-1).indices for part in parts]
+    return torch.cat(codes).reshape(u.shape[:-1])
 
 
 def _sorted(grid: torch.Tensor) -> torch.Tensor:
@@ -84,7 +97,7 @@ def lloyd_grid(points: int, dim: int, *, samples: int, iters: int, seed: int) ->
     for t in range(iters):
         x = torch.randn(samples, dim, generator=gen)  # [S, d]
         g32 = grid.float()
-        codes = torch.cat([nearest(part, g32) for part in x.split(_ASSIGN_ROWS)])  # [S]
+        codes = nearest(x, g32)  # [S]
         count = torch.bincount(codes, minlength=points).double()[:, None]  # [n, 1]
         total = torch.zeros(points, dim, dtype=torch.float64).index_add_(0, codes, x.double())
         centroid = torch.where(count > 0, total / count.clamp_min(1), grid)
