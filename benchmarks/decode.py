@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled-presets", default="kivi-2bit,kivi-4bit",
                         help="presets also measured with the whole decode step compiled (rows compiled:PRESET)")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--prefill-runs", type=int, default=1, help="prefills per row; the median is reported")
     parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/decode/decode_cpu.json")
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         for context, batch in cells:
             cell = []
             for name in names:
-                profile = generation_profile(model, tokenizer, method(name), context, args.new_tokens, batch)
+                profile = generation_profile(
+                    model, tokenizer, method(name), context, args.new_tokens, batch, args.prefill_runs)
                 profile.update(name=name, dtype=dtype)
                 cell.append(profile)
                 print(json.dumps(profile), flush=True)

@@ -45,6 +45,23 @@ def test_the_scales_reach_the_closed_form_minimum_of_the_error_bound(seed, sprea
     assert torch.all(_bound(other, a, b) >= minimum * (1 - 1e-5))
 
 
+@given(seed=st.integers(0, 1000), pads=st.integers(0, 63))
+def test_the_scales_do_not_depend_on_the_memory_layout(seed, pads):
+    """Keys and queries in a model's memory order (`[B, T, H, F]` viewed as `[B, H, T, F]`) give the scales of
+    contiguous ones, with and without padding."""
+    k, q = _prompt(seed, 1.0)
+    valid = torch.arange(64)[None] >= pads
+    balance = T.project("balance")
+
+    def scales(k, q):
+        return balance.prepare(k, Context(dim=16, valid=valid, inputs={"queries": q}))["balance"]
+
+    def model_order(x):
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    torch.testing.assert_close(scales(model_order(k), model_order(q)), scales(k, q), rtol=1e-6, atol=0)
+
+
 @given(seed=st.integers(0, 1000))
 def test_the_scales_commute_with_rope(seed):
     """The same keys and queries turned by RoPE at other positions give the same scales (a pair's energy

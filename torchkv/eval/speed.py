@@ -1,6 +1,7 @@
 """Generation profile: prefill and decode throughput, cache bytes and peak memory, in one measured run."""
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
 
@@ -73,8 +74,12 @@ def _compiled_at_first_call(pipe: KVPipeline | None) -> Iterator[None]:
         pipe.compile = "auto"
 
 
-def generation_profile(model, tokenizer, method: Method, context: int, new_tokens: int = 32, batch: int = 1) -> dict:
+def generation_profile(
+    model, tokenizer, method: Method, context: int, new_tokens: int = 32, batch: int = 1, prefill_runs: int = 1
+) -> dict:
     """Measure one generation of `new_tokens` after a `context`-token prompt (batch rows of held-out text).
+
+    The prefill time is the median of `prefill_runs` prefills into fresh caches (the last one is the generation's).
 
     Compilation is excluded: two short runs of other lengths go first, so the timed prefill reuses the
     shape-generic graphs, and `WARM_STEPS` untimed decode steps precede the timed ones (reported apart).
@@ -82,6 +87,8 @@ def generation_profile(model, tokenizer, method: Method, context: int, new_token
     specialised to it: dynamo specialises sizes 0 and 1), then one more from the window in their first decode step,
     whatever the sinks and the prompt length leave in the window.
     """
+    if prefill_runs < 1:
+        raise ValueError(f"prefill_runs={prefill_runs}: time at least one prefill")
     stream = token_stream(tokenizer, "eval")
     if batch * context > stream.numel():
         raise ValueError(f"batch {batch} x context {context} exceeds the {stream.numel()} held-out tokens")
@@ -91,14 +98,17 @@ def generation_profile(model, tokenizer, method: Method, context: int, new_token
     with _compiled_at_first_call(method.pipeline), method.active(model):
         for warm in _warm_lengths(method):
             _run(model, method, ids[:, :warm], 2, capacity)
+        prefills = [_run(model, method, ids, 0, capacity)[0] for _ in range(prefill_runs - 1)]
         start_rss = memory.current_rss()
         resettable = memory.reset_peak()
         prefill_s, warm_s, decode_s, cache = _run(model, method, ids, new_tokens, capacity)
+        prefill_s = statistics.median([*prefills, prefill_s])
         peak = memory.peak_rss()
         result = {
             "context": context,
             "batch": batch,
             "new_tokens": new_tokens,
+            "prefill_runs": prefill_runs,
             "prefill_tokens_per_s": batch * context / prefill_s,
             "decode_tokens_per_s": batch * new_tokens / decode_s,
             "warm_decode_seconds": warm_s,
