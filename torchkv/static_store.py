@@ -238,7 +238,7 @@ class StaticKVStore:
         valid = (torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device) if padding is None
                  else padding.index_select(1, position.view(1)))
         self._place(k, v, valid)
-        mask = self._live(padding, rule, position)
+        mask = materialized(self._live(padding, rule, position))
         encoded = {n: buf[f"encoded.{n}"].unflatten(2, (self.chunks + 1, rows)) for n, rows in self.rows.items()}
         k_fp = torch.cat([buf["sink_k"], buf["res_k"][:, :, : self.window]], 2)
         v_fp = torch.cat([buf["sink_v"], buf["res_v"][:, :, : self.window]], 2)

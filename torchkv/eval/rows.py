@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache, StaticCache
 from transformers.cache_utils import Cache
 
+from torchkv._compat import own_cache
 from torchkv.models import patched
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache
@@ -123,11 +124,13 @@ class Method:
 
     def decode_forward(self, model):
         """What runs a decode step: the model, or for compiled rows its forward compiled whole (static shapes;
-        CUDA graphs on GPUs)."""
+        CUDA graphs on GPUs), with graphs of its own: rows sharing the forward's code object would share dynamo's
+        limit of 8 graphs per code object (4 compiled rows x 3 contexts exceeded it)."""
         if not self.compiled:
             return model
         mode = "reduce-overhead" if model.device.type == "cuda" else None
-        return torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode, options=WHOLE_STEP_OPTIONS)
+        forward = own_cache(model.forward)
+        return torch.compile(forward, fullgraph=True, dynamic=False, mode=mode, options=WHOLE_STEP_OPTIONS)
 
 
 def _option(text: str) -> tuple[str, object]:
