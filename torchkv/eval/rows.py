@@ -5,7 +5,7 @@ import contextlib
 import copy
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,8 @@ class Method:
     tune_report: dict | None = None
     #: decode steps run as one compiled graph over a fixed-capacity cache (`COMPILED`, `STATIC_BASELINE`)
     compiled: bool = False
+    #: (model, its compiled decode step): every run of the row on that model reuses the step's graphs
+    _step: tuple | None = field(default=None, repr=False, compare=False)
 
     def tune_for(self, model, tokenizer, tokens: int, out_dir: Path | None, progress: bool = True) -> None:
         """Tune a tuned row on `model` (on `tokens` of the calibration split; one sensitivity measurement per
@@ -128,9 +130,12 @@ class Method:
         limit of 8 graphs per code object (4 compiled rows x 3 contexts exceeded it)."""
         if not self.compiled:
             return model
-        mode = "reduce-overhead" if model.device.type == "cuda" else None
-        forward = own_cache(model.forward)
-        return torch.compile(forward, fullgraph=True, dynamic=False, mode=mode, options=WHOLE_STEP_OPTIONS)
+        if self._step is None or self._step[0] is not model:
+            mode = "reduce-overhead" if model.device.type == "cuda" else None
+            forward = own_cache(model.forward)
+            step = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode, options=WHOLE_STEP_OPTIONS)
+            self._step = (model, step)
+        return self._step[1]
 
 
 def _option(text: str) -> tuple[str, object]:
