@@ -2,6 +2,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import torchkv
 import torchkv.transforms as T
@@ -53,3 +55,49 @@ def test_unknown_preset_lists_presets_and_closest_match():
         registry.preset("kivi2bit")
     message = str(err.value)
     assert "did you mean 'kivi-2bit'" in message and "kivi-4bit" in message and "torchkv.presets()" in message
+
+
+# -- one spelling of a preset with overrides ----------------------------------------------------------------------
+
+
+@given(residual=st.integers(0, 512), group=st.sampled_from([16, 32, 64]), quoted=st.booleans())
+def test_preset_strings_parse_to_the_keyword_overrides(residual, group, quoted):
+    from torchkv.pipeline import parse_preset
+
+    text = f"kivi-2bit:residual={residual}:group={group}"
+    assert parse_preset(text) == ("kivi-2bit", {"residual": residual, "group": group})
+    written = torchkv.KVPipeline.from_preset(text)
+    keyword = torchkv.KVPipeline.from_preset("kivi-2bit", residual=residual, group=group)
+    assert written.config() == keyword.config() and written.name == "kivi-2bit"
+    value = "'fp'" if quoted else "fp"  # strings with or without quotes
+    assert parse_preset(f"svdq-2bit:generated={value}")[1] == {"generated": "fp"}
+
+
+def test_patch_eval_rows_and_folders_take_the_same_strings(tmp_path):
+    from torchkv.eval.rows import method
+    from torchkv.testing import tiny_model
+
+    text = "kivi-2bit:residual=32:group=16"
+    model = tiny_model()
+    with torchkv.patched(model, text):
+        assert torchkv.pipeline_of(model).config() == torchkv.KVPipeline.from_preset(text).config()
+    assert method(text).pipeline.config() == torchkv.KVPipeline.from_preset(text).config()
+    assert method(f"compiled:{text}").pipeline.residual == 32
+    folder = tmp_path / "saved"
+    torchkv.KVPipeline.from_preset(text).save_pretrained(folder)
+    with torchkv.patched(model, str(folder)):
+        assert torchkv.pipeline_of(model).residual == 32
+    assert method(str(folder)).pipeline.residual == 32
+
+
+def test_bad_preset_strings_say_how_to_write_them():
+    with pytest.raises(ValueError, match="must be written key=value, e.g. kivi-2bit:residual=32"):
+        torchkv.KVPipeline.from_preset("kivi-2bit:residual")
+    with pytest.raises(ValueError, match="'residual' is given twice"):
+        torchkv.KVPipeline.from_preset("kivi-2bit:residual=8:residual=16")
+    with pytest.raises(ValueError, match=r"given both after a colon and as keywords"):
+        torchkv.KVPipeline.from_preset("kivi-2bit:residual=8", residual=16)
+    with pytest.raises(ValueError, match=r"has no option\(s\) \['resid'\]; valid options: .*'residual'"):
+        torchkv.KVPipeline.from_preset("kivi-2bit:resid=8")
+    with pytest.raises(ValueError, match="unknown preset 'kivi-3bit'"):
+        torchkv.KVPipeline.from_preset("kivi-3bit:residual=8")

@@ -24,6 +24,11 @@ def presets_markdown() -> str:
 def _presets(args) -> None:
     from torchkv.pipeline import presets
 
+    if args.matrix:
+        from torchkv.models.support import support_markdown
+
+        print(support_markdown())
+        return
     if args.markdown:
         print(presets_markdown())
         return
@@ -164,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
 
     pr = sub.add_parser("presets", help="list the registered presets")
     pr.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+    pr.add_argument("--matrix", action="store_true",
+                    help="run every preset on a tiny model of every family; print the README's support matrix")
     pr.set_defaults(run=_presets)
 
     ev = sub.add_parser("eval", help="perplexity, retrieval, memory and speed against full precision")
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
 
     gen = sub.add_parser("generate", help="answer a prompt with a compressed cache, beside full precision")
     gen.add_argument("prompt")
-    gen.add_argument("--preset", default=None, help="default: the default preset")
+    gen.add_argument("--preset", default=None, help="a preset, with overrides after colons (kivi-2bit:residual=32), "
+                     "or a saved pipeline folder; default: the default preset")
     gen.add_argument("--model", default="smollm2-135m")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.set_defaults(run=_generate)

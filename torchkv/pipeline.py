@@ -1,5 +1,6 @@
 """KVPipeline: a key chain and a value chain of transforms, plus the cache's window settings."""
 
+import ast
 import dataclasses
 import json
 import math
@@ -30,6 +31,25 @@ EAGER_SECONDS_BEFORE_COMPILE = 5.0
 #: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
 #: in the value chain, this layer's reconstructed keys ("keys"), both in the chain's carried space (`Chain.carry_index`)
 CROSS_INPUTS = frozenset({"previous", "keys"})
+
+
+def parse_preset(text: str) -> tuple[str, dict[str, Any]]:
+    """`name[:key=value...]` -> (preset name, overrides), e.g. "kivi-2bit:residual=32:group=64". Values are Python
+    literals (numbers, booleans, tuples, quoted strings), or else taken as strings. The one spelling of a preset
+    with overrides: `torchkv.patch`, `KVPipeline.from_preset`, `torchkv eval`/`generate` and the benchmarks."""
+    name, *options = text.split(":")
+    overrides: dict[str, Any] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"preset option {option!r} in {text!r} must be written key=value, e.g. kivi-2bit:residual=32")
+        if key in overrides:
+            raise ValueError(f"preset option {key!r} is given twice in {text!r}")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value
+    return name, overrides
 
 
 def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -390,11 +410,17 @@ class KVPipeline:
 
     @classmethod
     def from_preset(cls, name: str, *, compile: bool | str = "auto", **overrides: Any) -> "KVPipeline":
-        """The preset `name` (see `torchkv.presets()`), with keyword overrides of its options.
+        """The preset `name` (see `torchkv.presets()`), with overrides of its options after colons in `name`
+        (`parse_preset`: "kivi-2bit:residual=32") and as keywords.
 
         `compile` as in `KVPipeline`; False also reads no packed codes in decode attention (rebuilt history)."""
         import torchkv.methods  # noqa: F401  (fills the preset registry)
 
+        name, written = parse_preset(name)
+        twice = sorted(set(written) & set(overrides))
+        if twice:
+            raise ValueError(f"preset '{name}' option(s) {twice} given both after a colon and as keywords")
+        overrides = {**written, **overrides}
         preset = registry.preset(name)
         options = preset.options()
         unknown = sorted(set(overrides) - set(options))
@@ -861,21 +887,34 @@ class KVPipeline:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "KVPipeline":
         """Load what `save_pretrained` wrote."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         from safetensors.torch import load_file
 
         path = Path(path)
         if not (path / CONFIG_FILE).is_file():
             raise ValueError(f"{path} has no {CONFIG_FILE}; save a pipeline there with pipe.save_pretrained(path)")
-        config = json.loads((path / CONFIG_FILE).read_text())
-        if config.get("format") != "torchkv.KVPipeline" or config.get("version") != FORMAT_VERSION:
+        resave = "save the pipeline again with pipe.save_pretrained(path)"
+        try:
+            config = json.loads((path / CONFIG_FILE).read_text())
+        except ValueError as err:  # invalid JSON or not UTF-8 (truncated or garbled)
+            raise ValueError(f"{path / CONFIG_FILE} is not valid JSON ({err}); {resave}") from err
+        if not isinstance(config, dict) or config.get("format") != "torchkv.KVPipeline" \
+                or config.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path / CONFIG_FILE} is not a torchkv pipeline config of version {FORMAT_VERSION}")
-        pipe = cls.from_config(config)
+        try:
+            pipe = cls.from_config(config)
+        except (KeyError, TypeError, AttributeError) as err:  # a field missing or of the wrong type
+            raise ValueError(f"{path / CONFIG_FILE} is incomplete or malformed ({type(err).__name__}: {err}); "
+                             f"{resave}") from err
         if (path / PARAMS_FILE).is_file():
-            params = load_file(str(path / PARAMS_FILE))
-            with safe_open(str(path / PARAMS_FILE), "pt") as f:
-                aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-            params.update({k: params[name] for k, name in aliases.items()})
+            try:  # safetensors only: nothing here unpickles
+                params = load_file(str(path / PARAMS_FILE))
+                with safe_open(str(path / PARAMS_FILE), "pt") as f:
+                    aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+                params.update({k: params[name] for k, name in aliases.items()})
+            except (SafetensorError, ValueError, KeyError) as err:  # SafetensorError is no ValueError
+                raise ValueError(f"{path / PARAMS_FILE} is not a readable safetensors file of this pipeline's "
+                                 f"parameters ({type(err).__name__}: {err}); {resave}") from err
             if "layers" not in config:  # saved before per-layer chains: "first{n}." held the n-th first layer's
                 params = {"layer" + k[len("first"):] if k.startswith("first") else k: v for k, v in params.items()}
             pipe.load_params(params)

@@ -1,7 +1,10 @@
 """Registries of transforms (by kind and name) and of presets (by name)."""
 
 import difflib
+import functools
 import inspect
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,10 +86,73 @@ def register_preset(
     def decorate(fn: Callable) -> Callable:
         if name in _PRESETS:
             raise ValueError(f"preset '{name}' is already registered")
-        _PRESETS[name] = Preset(name, fn, description, nominal_bits, for_model)
+        _PRESETS[name] = Preset(name, _checked_build(name, fn), description, nominal_bits, for_model)
         return fn
 
     return decorate
+
+
+def _describe(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _fits(value: Any, annotation: Any) -> bool:
+    """Whether an option value has its annotated type (bool is no int; an int is a float; a tuple annotation
+    takes a list too, as JSON gives it back). Annotations this does not know accept anything."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return True
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return not args or (len(args) == len(value) and all(_fits(v, a) for v, a in zip(value, args)))
+    return True
+
+
+def _checked_build(name: str, fn: Callable) -> Callable:
+    """`fn` (a preset's recipe) checking the overrides it is called with: a value of the wrong type, or one the
+    recipe cannot build with, is a `ValueError` naming the preset, the option and what it takes."""
+    try:
+        parameters = inspect.signature(fn, eval_str=True).parameters
+    except (NameError, TypeError):  # annotations that cannot be evaluated here: checked by the recipe alone
+        parameters = inspect.signature(fn).parameters
+
+    @functools.wraps(fn)
+    def build(**overrides: Any) -> Any:
+        for option, value in overrides.items():
+            p = parameters.get(option)
+            if p is not None and not _fits(value, p.annotation):
+                raise ValueError(f"preset '{name}' option {option}={value!r} must be {_describe(p.annotation)} "
+                                 f"(default {p.default!r})")
+        if not overrides:
+            return fn()
+        given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        try:
+            return fn(**overrides)
+        except ValueError as err:
+            raise ValueError(f"preset '{name}' with {given}: {err}") from err
+        except (TypeError, ArithmeticError, IndexError, KeyError) as err:  # a value out of the recipe's range
+            defaults = ", ".join(f"{k}={parameters[k].default!r}" for k in overrides if k in parameters)
+            raise ValueError(f"preset '{name}' cannot be built with {given} ({type(err).__name__}: {err}); "
+                             f"its defaults: {defaults}") from err
+
+    return build
 
 
 def preset(name: str) -> Preset:

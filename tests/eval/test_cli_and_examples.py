@@ -47,6 +47,13 @@ def test_eval_command_can_skip_retrieval_and_speed(capsys, tmp_path):
     assert "| kivi-4bit |" in capsys.readouterr().out
 
 
+@pytest.mark.model
+def test_generate_command_takes_a_preset_with_overrides(capsys):
+    main(["generate", "Name a colour.", "--preset", "kivi-2bit:residual=16:group=16",
+          "--max-new-tokens", "3"])
+    assert "[kivi-2bit:residual=16:group=16]" in capsys.readouterr().out
+
+
 def test_module_entry_point():
     done = _run("-m", "torchkv", "presets")
     assert done.returncode == 0 and "kivi-2bit" in done.stdout

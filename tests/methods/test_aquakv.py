@@ -259,3 +259,21 @@ def test_calibration_on_smollm2_saves_loads_and_beats_no_predictor(smollm2, wiki
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         assert cache.layers[5].store.n_encoded == 300 - 4 - 128 - (300 - 4 - 128) % 32
         assert any(n.startswith("params.") for n in cache.layers[5].store.tensors())  # predictors counted
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "llama"])
+def test_calibration_forward_is_the_models_own(arch):
+    """Calibration records K/V while the model runs its own attention: with Gemma 2's logit soft-capping (which
+    SDPA lacks) and with plain causal masks, the recording forward gives the model's logits."""
+    from torchkv.models.calibrate import _recording
+    from torchkv.testing import tiny_model
+
+    model = tiny_model(arch, sliding_window=32) if arch == "gemma2" else tiny_model(arch)
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        records: dict = {}
+        with _recording(model, records):
+            got = model(ids, use_cache=False).logits
+    assert set(records) == {("call", 0), ("call", 1), ("kv", 0), ("kv", 1)}
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

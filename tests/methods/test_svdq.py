@@ -221,6 +221,32 @@ def test_skipped_chunks_are_not_read_and_a_full_budget_is_dense_attention():
     torch.testing.assert_close(_sparse(q, dense_store, k_new, v_new, spec, 0.25, None), reference, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
+def test_full_budget_sparse_equals_dense_on_padded_batches_and_sliding_windows(arch):
+    """Padding and sliding windows reach the sparse step as the model's mask at the selected tokens' absolute
+    positions: with every chunk selected (sparse=1), a left-padded batch through a sliding-window model gives the
+    dense cache's logits. The landmarks of a chunk are over its real tokens; a chunk of padding alone is never
+    picked, so a 1/4 budget still generates."""
+    import torchkv
+    from torchkv.testing import tiny_model
+
+    model = tiny_model(arch, sliding_window=200) if arch != "llama" else tiny_model(arch)
+    ids = torch.randint(3, 128, (2, 330), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :150] = 0  # more than one whole chunk (128) of padding
+    logits = {}
+    for name, preset, options in (("dense", "svdq-1.25bit", {"residual": 32}),
+                                  ("full", "svdq-1.25bit-sparse", {"sparse": 1}),
+                                  ("quarter", "svdq-1.25bit-sparse", {"sparse": 4})):
+        with torchkv.patched(model, KVPipeline.from_preset(preset, compile=False, **options)), torch.no_grad():
+            cache = torchkv.new_cache(model)
+            model(ids[:, :300], attention_mask=mask[:, :300], past_key_values=cache)
+            assert cache.layers[0].store.n_encoded == 256
+            logits[name] = model(ids[:, 300:], attention_mask=mask, past_key_values=cache).logits.log_softmax(-1)
+    torch.testing.assert_close(logits["full"], logits["dense"], rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(logits["quarter"]).all()
+
+
 @pytest.mark.model
 def test_smollm2_keys_svdq_beats_per_channel_2bit(smollm2):
     """The paper's central claim on real keys (512 held-out tokens, all 30 layers): svdq-2bit's key error

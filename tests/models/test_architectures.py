@@ -39,7 +39,7 @@ def test_lossless_pipeline_generates_like_the_model(arch, kernel):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3", "olmo2"])
 def test_pre_rope_storage_is_lossless(arch):
     """Keys stored before RoPE and rotated back at their true positions (per layer type for Gemma 3)."""
     model = tiny_model(arch)

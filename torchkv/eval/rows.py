@@ -1,6 +1,5 @@
 """What a results row measures: a torchkv pipeline, or one of transformers' own caches as a baseline."""
 
-import ast
 import contextlib
 import copy
 import json
@@ -15,8 +14,8 @@ from transformers.cache_utils import Cache
 from torchkv._compat import own_cache
 from torchkv.models import patched
 from torchkv.models.cache import TorchKVCache
-from torchkv.models.patch import new_cache
-from torchkv.pipeline import CONFIG_FILE, KVPipeline
+from torchkv.models.patch import new_cache, resolve_pipeline
+from torchkv.pipeline import KVPipeline
 
 TUNED = "tuned:"
 #: baseline rows: transformers' full-precision cache and its quanto-quantized cache (KIVI-like window 128)
@@ -138,16 +137,6 @@ class Method:
         return self._step[1]
 
 
-def _option(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ValueError(f"preset option {text!r} must be written key=value, e.g. kivi-2bit:residual=32")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
 def method(name: str) -> Method:
     """A row by name: a baseline name (see `BASELINES`), a torchkv preset, optionally with overrides
     after colons (`kivi-2bit:residual=32:sinks=4`), a folder a pipeline was saved in (`torchkv calibrate`,
@@ -176,10 +165,7 @@ def method(name: str) -> Method:
         return Method(name, tuning=(base, bits))
     if name in BASELINES:
         return Method(name, nbits=BASELINES[name])
-    if (Path(name) / CONFIG_FILE).is_file():
-        return Method(name, pipeline=KVPipeline.from_pretrained(name))
-    preset, *options = name.split(":")
-    return Method(name, pipeline=KVPipeline.from_preset(preset, **dict(map(_option, options))))
+    return Method(name, pipeline=resolve_pipeline(name))
 
 
 def cache_nbytes(cache: Cache) -> int:

@@ -178,7 +178,8 @@ class Landmarks(Transform):
     (SVDq §5.2 with ShadowKV's selection, spec §1.6). Leaves the keys as they are.
 
     prepare: `x: [B, H, T, D]` -> "landmarks" `[B, H, T/c, D]` float16 (each c-token chunk's mean key),
-    "coherence" `[B, H, T/c]` float16 (the lowest cosine similarity of a chunk's keys to its mean).
+    "coherence" `[B, H, T/c]` float16 (the lowest cosine similarity of a chunk's keys to its mean), both over
+    the chunk's real tokens (`ctx.valid`); a chunk of padding alone has coherence +inf and is never picked.
     encode/decode: the identity.
     """
 
@@ -187,13 +188,16 @@ class Landmarks(Transform):
     prepares = frozenset({"landmarks", "coherence"})
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
-        if ctx.valid is not None and not bool(ctx.valid.all()):
-            raise ValueError("sparse SVDq needs an unpadded prompt (chunk landmarks would mix pads); "
-                             "run padded batches with sparse=0")
         c = self.config.chunk
-        chunks = x[:, :, : x.shape[2] // c * c].float().unflatten(2, (-1, c))  # [B, H, NC, c, D]
-        mean = chunks.mean(3)
-        coherence = F.cosine_similarity(chunks, mean[:, :, :, None], dim=-1).amin(-1)
+        whole = x.shape[2] // c * c
+        chunks = x[:, :, :whole].float().unflatten(2, (-1, c))  # [B, H, NC, c, D]
+        if ctx.valid is None:
+            real = torch.ones(chunks.shape[:-1], dtype=torch.bool, device=x.device)
+        else:
+            real = ctx.valid[:, None, :whole].unflatten(2, (-1, c)).expand(chunks.shape[:-1])  # [B, H, NC, c]
+        mean = (chunks * real[..., None]).sum(3) / real.sum(3, keepdim=True).clamp_min(1)
+        similarity = F.cosine_similarity(chunks, mean[:, :, :, None], dim=-1)
+        coherence = similarity.masked_fill(~real, math.inf).amin(-1)
         return {"landmarks": mean.half(), "coherence": coherence.half()}
 
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -220,8 +224,9 @@ class Landmarks(Transform):
         probs = torch.softmax(q.float().reshape(b, h, -1, d) @ landmarks.transpose(-1, -2) * scale, -1)
         scores = probs.view(b, h, hq // h, nq, n).sum(3).amax(2)  # [B, H, NC]
         budget = math.ceil(n / self.config.ratio)
-        outliers = (-prepared["coherence"][:, :, :n].float()).topk(math.ceil(budget * 3 / 16), -1).indices
-        scores = scores.scatter(-1, outliers, math.inf)
+        coherence = prepared["coherence"][:, :, :n].float()
+        outliers = (-coherence).topk(math.ceil(budget * 3 / 16), -1).indices
+        scores = scores.scatter(-1, outliers, math.inf).masked_fill(coherence.isinf(), -math.inf)  # padding alone
         chunks = scores.topk(budget, -1).indices.sort(-1).values  # [B, H, K]
         return (chunks[..., None] * c + torch.arange(c, device=q.device)).flatten(-2)
 

@@ -74,9 +74,11 @@ class WeightsProject(Transform):
     encode ignores its chain input (pre-RoPE K or V `[B, H, T, D]`) and reads `ctx.inputs["x"]` `[B, T, d]`:
     it returns `Z = X·U` ("svd", `[B, 1, T, r − outliers]` after the float16 "outliers" state `[B, 1, T, n]`)
     or `Z = X` ("input", `[B, 1, T, d]`); with source "keys" it returns `[B, 1, T, 0]` (nothing stored).
-    decode: `Ẑ·R + b` or `X̂·W + b` -> `[B, H, T, D]` float32, X̂ being the key chain's carry for "keys".
+    decode: `Ẑ·R + b` or `X̂·W + b` -> `[B, H, T, D]` float32, X̂ being the key chain's carry for "keys", then
+    the model's key norm where it has one (`rms_norm(·)·s`, per head or over all heads: `ProjectionWeights`).
     params per layer (`fit_weights`): "down" U `[d, r]` and "up" R `[r, H·D]` (svd), or "up" W `[d, H·D]`;
-    "bias" `[H·D]` when the projection has one. W and the bias are views of the model's weights.
+    "bias" `[H·D]` when the projection has one; "norm" s `[D]` or `[H·D]` for a key norm. W, the bias and s are
+    taken from the model's weights.
     """
 
     Config = WeightsConfig
@@ -87,8 +89,9 @@ class WeightsProject(Transform):
         super().__init__(**config)
         cfg = self.config
         self.requires = frozenset({"x"} if cfg.source == "x" else {"keys"})
-        self.borrowed = frozenset({"bias"} if cfg.basis == "svd" else {"up", "bias"})
+        self.borrowed = frozenset({"bias", "norm"} if cfg.basis == "svd" else {"up", "bias", "norm"})
         self.width: int | None = None  # of the cached latent, set by `fit_weights`
+        self.norm_eps = 0.0  # of the model's key norm, set by `fit_weights`
 
     def out_dim(self, dim: int) -> int:
         if self.config.source == "keys":
@@ -102,6 +105,8 @@ class WeightsProject(Transform):
         w = weights.k if self.config.side == "k" else weights.v  # [d, H·D]
         bias = weights.k_bias if self.config.side == "k" else weights.v_bias
         params = {} if bias is None else {"bias": bias}
+        if self.config.side == "k" and weights.k_norm is not None:
+            params["norm"], self.norm_eps = weights.k_norm, weights.k_norm_eps
         if self.config.basis == "svd":
             down, up = weight_factors(w)
             dtype = META_DTYPES[self.config.basis_dtype]
@@ -131,7 +136,11 @@ class WeightsProject(Transform):
         out = z.float() @ ctx.params["up"].float()  # [B, 1, T, H·D]
         if "bias" in ctx.params:
             out = out + ctx.params["bias"].float()
-        return out[:, 0].unflatten(-1, (-1, ctx.dim)).transpose(1, 2)
+        out = out[:, 0].unflatten(-1, (-1, ctx.dim))  # [B, T, H, D]
+        if "norm" in ctx.params:
+            per_head = ctx.params["norm"].shape[0] == ctx.dim  # Qwen3, Gemma 3; else over all heads (OLMo 2)
+            out = _rms_norm(out if per_head else out.flatten(-2), ctx.params["norm"], self.norm_eps).view(out.shape)
+        return out.transpose(1, 2)
 
     @property
     def maps_output(self) -> bool:
@@ -158,6 +167,11 @@ class WeightsProject(Transform):
         rows = p.flatten(1, 2).flatten(-2)  # [B, H·g, T]: every head's rows read the one latent row per token
         o = (rows @ z[:, 0].float()).unflatten(1, p.shape[1:3])
         return self.map_output(o, rows.sum(-1, keepdim=True).unflatten(1, p.shape[1:3]), ctx)
+
+
+def _rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(mean(x², -1) + eps) · scale` in float32: x `[..., F]`, scale `[F]`."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale.float()
 
 
 def key_outlier_channels(w_k: torch.Tensor, topk: int = 1) -> torch.Tensor:

@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, Arch] = {
     "gemma2": Arch(),
     "gemma3_text": Arch(),
     "phi3": Arch(),
+    "olmo2": Arch(),
 }
 
 

@@ -216,21 +216,27 @@ def _compiled_decode(query, store, k_new, v_new, spec: MaskSpec, scaling: float,
 
 def _sparse(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
     """Attention reading only the encoded chunks the pipeline's selector picks for these queries, then
-    the full-precision tokens (sinks, window) and the new ones, causal among themselves."""
-    if not spec.causal:
-        raise ValueError("sparse attention over encoded chunks supports unpadded batches under the plain causal "
-                         "mask; use the preset with sparse=0 for padded batches or sliding-window layers")
+    the full-precision tokens (sinks, window) and the new ones, under the model's mask (padding, sliding window)
+    at the tokens' absolute positions."""
     selector = store.pipeline.selector
     prefix = f"k.{store.pipeline.keys.transforms.index(selector)}."
     own = {n[len(prefix) :]: t for n, t in store.prepared.items() if n.startswith(prefix)}
-    tokens = selector.select(query, own, store.n_encoded, scaling)
+    tokens = selector.select(query, own, store.n_encoded, scaling)  # [B, H, K·c] among the encoded tokens
     k_sel, v_sel = store.gather_encoded(tokens)
     k_fp, v_fp = store.full_precision(k_new, v_new)
     keys, values = torch.cat([k_sel, k_fp], 2), torch.cat([v_sel, v_fp], 2)
     q_len, before = query.shape[2], keys.shape[2] - k_new.shape[2]
-    mask = torch.ones(q_len, keys.shape[2], dtype=torch.bool, device=query.device)
-    mask[:, before:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
-    return attend_dense(query, keys, values, mask[None, None], scaling, softcap)[0]
+    if spec.causal:  # every held token is visible; the new ones causally among themselves
+        mask = torch.ones(q_len, keys.shape[2], dtype=torch.bool, device=query.device)
+        mask[:, before:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        return attend_dense(query, keys, values, mask[None, None], scaling, softcap)[0]
+    n_sinks, n_enc = store.n_sinks, store.n_encoded
+    dense = spec.dense(q_len, store.length + q_len, query.device)  # absolute order: sinks, encoded, window, new
+    b, h = tokens.shape[:2]
+    encoded = dense[..., n_sinks : n_sinks + n_enc].expand(b, h, q_len, n_enc)
+    selected = encoded.gather(-1, tokens[:, :, None].expand(b, h, q_len, tokens.shape[-1]))  # [B, H, Q, K·c]
+    rest = torch.cat([dense[..., :n_sinks], dense[..., n_sinks + n_enc :]], -1).expand(b, h, q_len, -1)
+    return attend_dense(query, keys, values, torch.cat([selected, rest], -1), scaling, softcap)[0]
 
 
 def torchkv_attention(

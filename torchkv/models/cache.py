@@ -10,6 +10,7 @@ tensor code. Such a cache `is_compileable`: a whole decode step (model and cache
 """
 
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -145,6 +146,15 @@ class TorchKVLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._edit(lambda store: store.reorder(torch.as_tensor(indices)))
 
+    def __getattr__(self, name: str):
+        # only reached for attributes a layer lacks: an attention function other than torchkv's reading the
+        # handles `update` returns as if they were key/value tensors
+        raise AttributeError(
+            f"'{type(self).__name__}' has no attribute '{name}': a torchkv cache layer's update() returns handles "
+            "that only torchkv's attention function reads; pass this cache only to the model torchkv.new_cache made "
+            "it for, patched (torchkv.patch(model))"
+        )
+
     def offload(self):
         raise NotImplementedError("torchkv caches are not offloaded; the compressed store stays on the layer's device")
 
@@ -197,6 +207,19 @@ class TorchKVCache(Cache):
         ]
         super().__init__(layers=layers)
         self.pipeline = pipeline
+        #: the model `torchkv.new_cache` made this cache for (a weak reference), or None; a patched model refuses
+        #: a cache made for another (`check_model`)
+        self.model: "weakref.ref | None" = None
+
+    def check_model(self, model) -> None:
+        """Raise a clear error if this cache was made for another model than `model`."""
+        owner = None if self.model is None else self.model()
+        if owner is not None and owner is not model:
+            raise ValueError(
+                f"this torchkv cache was made for another model ({type(owner).__name__} at {id(owner):#x}, "
+                f"{len(self.layers)} layers); a cache holds one model's keys and values: pass "
+                "past_key_values=torchkv.new_cache(model) for this one (or nothing)"
+            )
 
     def nbytes(self) -> int:
         """Bytes of storage of every tensor held by every layer."""

@@ -25,6 +25,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from torchkv.models import arch
 from torchkv.ops import apply_rope, ridge_streamed
+from torchkv.ops.attention import attend_dense
 from torchkv.pipeline import KVPipeline
 
 CALIBRATE_NAME = "torchkv_calibrate"
@@ -57,11 +58,18 @@ class _Stop(Exception):
 @contextlib.contextmanager
 def _recording(model: nn.Module, records: dict) -> Iterator[list[nn.Module]]:
     """Every decoder layer's call (args, kwargs) and every attention call's (key, value) go to `records`;
-    attention itself runs as SDPA with the model's own masks."""
+    attention itself runs as SDPA with the model's own masks (dense, for logit soft-capping: Gemma 2)."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         records[("kv", module.layer_idx)] = (key, value)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        softcap = kwargs.get("softcap")
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is None:  # SDPA's mask function leaves plain causal masks to is_causal
+            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
+        out, _ = attend_dense(query, key, value, attention_mask, kwargs.get("scaling") or module.scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(CALIBRATE_NAME, attention)
     AttentionMaskInterface.register(CALIBRATE_NAME, sdpa_mask)

@@ -22,6 +22,7 @@ from torchkv.models import arch
 from torchkv.models.attention import ATTENTION_NAME, PREFILL_KERNELS, register
 from torchkv.models.calibrate import fingerprint
 from torchkv.models.cache import TorchKVCache
+from torchkv.models.parallel import check_tensor_parallel
 from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
 
 
@@ -84,7 +85,12 @@ def new_cache(
     `simulated` stores new tokens before attending to them; `max_cache_len` makes the cache compileable, with
     fixed-capacity buffers for that many tokens (see `TorchKVCache`)."""
     state = _PATCHES.get(model)
-    pipe = state.pipeline if pipeline is None and state is not None else resolve_pipeline(pipeline).for_model(model)
+    if pipeline is None and state is not None:
+        pipe = state.pipeline
+    else:
+        pipe = resolve_pipeline(pipeline)
+        check_tensor_parallel(model, pipe)  # before for_model, which would fit XQuant's bases from sharded weights
+        pipe = pipe.for_model(model)
     config = model.config.get_text_config(decoder=True)
     if state is None or pipe is not state.pipeline:
         pipe.check_fitted(config.num_hidden_layers, fingerprint(model))
@@ -95,8 +101,10 @@ def new_cache(
             return arch.rope_fn(model, layer_idx)
 
     kernel = "auto" if state is None else state.prefill_kernel
-    return TorchKVCache(
+    cache = TorchKVCache(
         pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel, max_cache_len)
+    cache.model = weakref.ref(model)
+    return cache
 
 
 #: the keywords a cache travels under: `cache` since transformers 5.24, `past_key_values` before (and its
@@ -149,7 +157,10 @@ def _use_torchkv_cache(model: nn.Module, keyword: str, args: tuple, kwargs: dict
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = model.config.get_text_config(decoder=True).use_cache
-    if isinstance(cache, TorchKVCache) or (cache is None and not use_cache):
+    if isinstance(cache, TorchKVCache):
+        cache.check_model(model)
+        return None
+    if cache is None and not use_cache:
         return None
     if cache is None or (type(cache) is DynamicCache and cache.get_seq_length() == 0):
         kwargs[key or keyword] = new_cache(model)
@@ -182,7 +193,9 @@ def patch(
     attention = arch.attention_modules(model)  # raises a clear error for unsupported models
     if prefill_kernel not in PREFILL_KERNELS:
         raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
-    pipe = resolve_pipeline(pipeline).for_model(model)
+    pipe = resolve_pipeline(pipeline)
+    check_tensor_parallel(model, pipe)  # before for_model, which would fit XQuant's bases from sharded weights
+    pipe = pipe.for_model(model)
     _check_compatible(model, pipe)
     if model in _PATCHES:
         unpatch(model)

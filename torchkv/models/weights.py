@@ -4,6 +4,7 @@ XQuant caches a function of the attention block's input X and rematerializes `K 
 `V = X·W_v + b_v`; its transforms derive their bases from these weights (no calibration data).
 """
 
+import torch
 from torch import nn
 
 from torchkv import registry
@@ -15,18 +16,13 @@ from torchkv.transforms import ProjectionWeights
 def projection_weights(model: nn.Module) -> list[ProjectionWeights]:
     """Every layer's `K = X·k + k_bias`, `V = X·v + v_bias` before RoPE, as views of the model's weights.
 
-    Raises a clear error for attention that does more than project the normalized input (key norms)."""
+    Key norms after the projection (Qwen3, Gemma 3, OLMo 2) are read as RMS norms (`key_norm`)."""
     config = model.config.get_text_config(decoder=True)
     kv_width = config.num_key_value_heads * (getattr(config, "head_dim", None)
                                              or config.hidden_size // config.num_attention_heads)
     out = []
     for module in arch.attention_modules(model):
-        if getattr(module, "k_norm", None) is not None:
-            raise NotImplementedError(
-                f"{type(module).__name__} normalizes keys after their projection (k_norm), so K is not X·W_k: "
-                "methods that rematerialize keys from the layer input (XQuant) support llama, mistral, qwen2, "
-                "gemma2 and phi3 attention"
-            )
+        norm = key_norm(module)
         if hasattr(module, "qkv_proj"):  # phi3: one fused projection, queries first
             weight = module.qkv_proj.weight
             q_width = weight.shape[0] - 2 * kv_width
@@ -34,8 +30,34 @@ def projection_weights(model: nn.Module) -> list[ProjectionWeights]:
             out.append(ProjectionWeights(k.T, v.T))
             continue
         k_proj, v_proj = module.k_proj, module.v_proj
-        out.append(ProjectionWeights(k_proj.weight.T, v_proj.weight.T, k_proj.bias, v_proj.bias))
+        out.append(ProjectionWeights(k_proj.weight.T, v_proj.weight.T, k_proj.bias, v_proj.bias, *norm))
     return out
+
+
+def key_norm(module: nn.Module) -> tuple[torch.Tensor, float] | tuple[()]:
+    """(scale s, eps) of an attention module's key norm, `k_norm(y) = y / sqrt(mean(y²) + eps) · s`, found by
+    probing the module (Gemma's norms scale by `1 + weight`, the others by `weight`); () without a key norm."""
+    norm = getattr(module, "k_norm", None)
+    if norm is None:
+        return ()
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if eps is None or weight is None or weight.dim() != 1:
+        raise NotImplementedError(
+            f"{type(module).__name__}.k_norm is a {type(norm).__name__}, not an RMS norm with a weight and an "
+            "epsilon: methods that rematerialize keys from the layer input (XQuant) cannot rebuild its keys"
+        )
+    probe = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0), device=weight.device)
+    with torch.no_grad():
+        got = norm(probe.to(weight.dtype)).float()
+        unit = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps)
+        for scale in (weight, 1 + weight.float()):
+            if torch.allclose(got, unit * scale.float(), rtol=2e-2, atol=1e-3):
+                return scale, float(eps)
+    raise NotImplementedError(
+        f"{type(module).__name__}.k_norm ({type(norm).__name__}) is neither y·weight nor y·(1 + weight) after RMS "
+        "normalization: methods that rematerialize keys from the layer input (XQuant) cannot rebuild its keys"
+    )
 
 
 def specialize(pipe: KVPipeline, model: nn.Module) -> KVPipeline:

@@ -18,6 +18,7 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
     ),
     "gemma3_text": ("Gemma3TextConfig", {"head_dim": 32, "sliding_window": 48, "query_pre_attn_scalar": 32}),
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
 }
 
 

@@ -38,16 +38,22 @@ class Context:
 
 @dataclass(frozen=True)
 class ProjectionWeights:
-    """One layer's key and value projections in the row-vector convention `K = X·k + k_bias` (before RoPE).
+    """One layer's key and value projections in the row-vector convention `K = X·k + k_bias` (before RoPE), and
+    for models that normalize keys after their projection (Qwen3, Gemma 3, OLMo 2) that RMS norm:
+    `K = rms_norm(X·k + k_bias)·k_norm`.
 
     Attributes:
         k, v: [d, H·D] (views of the model's weights, transposed). k_bias, v_bias: [H·D] or None.
+        k_norm: the key norm's scale, [D] (per head: Qwen3, Gemma 3) or [H·D] (all heads at once: OLMo 2), or None.
+        k_norm_eps: its epsilon.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    k_norm_eps: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

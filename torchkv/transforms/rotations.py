@@ -54,8 +54,19 @@ class PreRope(Transform):
 
     requires = frozenset({"cos", "sin"})
 
+    def _rope(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        if "cos" not in ctx.inputs or "sin" not in ctx.inputs:
+            raise ValueError(
+                f"{self.kind}.{self.name} needs the rotary tables of the tokens' positions: patch the model with "
+                "torchkv.patch, or pass inputs={'cos': cos, 'sin': sin} ([batch, tokens, rotary_dim], the model's "
+                f"rotary embedding) to KVPipeline.prepare/encode_chunk/decode_chunk; got inputs {sorted(ctx.inputs)}"
+            )
+        return ctx.inputs["cos"], ctx.inputs["sin"]
+
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return apply_rope(x, ctx.inputs["cos"], -ctx.inputs["sin"]), {}
+        cos, sin = self._rope(ctx)
+        return apply_rope(x, cos, -sin), {}
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
-        return apply_rope(y, ctx.inputs["cos"], ctx.inputs["sin"])
+        cos, sin = self._rope(ctx)
+        return apply_rope(y, cos, sin)
