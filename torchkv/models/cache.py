@@ -209,7 +209,7 @@ class TorchKVCache(Cache):
         self.pipeline = pipeline
         #: the model `torchkv.new_cache` made this cache for (a weak reference), or None; a patched model refuses
         #: a cache made for another (`check_model`)
-        self.model: "weakref.ref | None" = None
+        self.model: weakref.ref | None = None
 
     def check_model(self, model) -> None:
         """Raise a clear error if this cache was made for another model than `model`."""
