@@ -10,7 +10,6 @@ import re
 import torch
 
 from torchkv import registry
-from torchkv.models.calibrate import fit_pipeline
 from torchkv.models.patch import patched
 from torchkv.pipeline import KVPipeline
 
@@ -46,7 +45,7 @@ def tiny_family_model(model_type: str) -> torch.nn.Module:
 def _pipeline(preset: str, model: torch.nn.Module, ids: torch.Tensor) -> KVPipeline:
     pipe = KVPipeline.from_preset(preset, compile=False)
     if pipe.needs_fit:
-        fit_pipeline(pipe, model, ids, seq_len=ids.shape[1], batch=ids.shape[0], progress=False)
+        pipe.fit(model, ids, seq_len=ids.shape[1], batch=ids.shape[0], progress=False)
     return pipe
 
 
