@@ -58,12 +58,12 @@ def test_whole_step_cuda_graphs_equal_eager(smollm2_cuda, preset):
     prompt, tokens = ids[:, :660], ids[:, 660:]
     pipe = torchkv.KVPipeline.from_preset(preset)
     expected = _teacher_forced_logits(model, pipe, prompt, tokens)
-    step = torch.compile(model.forward, fullgraph=True, dynamic=False, mode="reduce-overhead",
-                         options={"emulate_precision_casts": True})
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False,  # "reduce-overhead" is triton.cudagraphs
+                         options={"triton.cudagraphs": True, "emulate_precision_casts": True})
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model, max_cache_len=768)
-        model(prompt, cache=cache)
-        got = torch.stack([step(input_ids=tokens[:, i : i + 1], cache=cache).logits[0, -1].clone()
+        model(prompt, past_key_values=cache)
+        got = torch.stack([step(input_ids=tokens[:, i : i + 1], past_key_values=cache).logits[0, -1].clone()
                            for i in range(tokens.shape[1])])
     assert cache.is_compileable and all(t.device.type == "cuda" for layer in cache.layers
                                         for t in layer.static.tensors().values())
