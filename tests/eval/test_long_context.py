@@ -1,0 +1,92 @@
+"""The long-context runners and their reports on the real SmolLM2, at 320-token contexts with one sample."""
+
+import json
+
+import pytest
+
+from torchkv.cli import main
+from torchkv.eval import long_context, long_report
+from torchkv.eval.long_context import run_needle, run_suite
+
+pytestmark = pytest.mark.model
+
+TOO_LONG = 16384  # SmolLM2 has 8192 positions
+REASON = f"smollm2-135m has 8192 positions; a {TOO_LONG}-token context does not fit"
+
+
+@pytest.fixture
+def calls(smollm2, monkeypatch):
+    """The names of the through-cache calls the runners make; the runners load the session's SmolLM2."""
+    monkeypatch.setattr(long_context, "_load", lambda name: smollm2)
+    made = []
+    for name in ("score", "generate"):
+        real = getattr(long_context, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            made.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(long_context, name, counted)
+    return made
+
+
+def test_suite_skips_what_does_not_fit_resumes_and_reports(calls, tmp_path, capsys):
+    out = tmp_path / "suite.json"
+    results = run_suite("smollm2-135m", ["dynamic"], ["niah_single"], [320, TOO_LONG], 1, out, progress=False)
+    assert calls == ["generate"]  # nothing for the skipped length
+    cells = results["cells"]
+    assert [(c["preset"], c["task"], c["length"], c.get("skipped")) for c in cells] == [
+        ("dynamic", "niah_single", 320, None), ("dynamic", "niah_single", TOO_LONG, REASON)]
+    assert capsys.readouterr().out.count(REASON) == 1
+    cell = cells[0]
+    assert cell["accuracy"] == 1  # full precision finds one needle in 320 tokens
+    assert cell["samples"] == 1 and cell["seconds"] > 0
+    assert json.loads(out.read_text()) == results
+    meta = results["meta"]
+    assert (meta["kind"], meta["model"], meta["reference"]) == ("long-suite", "smollm2-135m", "dynamic")
+
+    calls.clear()  # a rerun on the same file does no new work, and writes the report beside it
+    main(["eval", "--suite", "long", "--presets", "dynamic", "--tasks", "niah_single", "--lengths",
+          f"320,{TOO_LONG}", "--samples", "1", "--out", str(out), "--no-progress"])
+    assert calls == []
+    assert json.loads(out.read_text())["cells"] == cells
+    table = (tmp_path / "suite.md").read_text()
+    assert "| preset | niah_single 320 | mean 320 | niah_single 16384 | mean 16384 |" in table
+    assert "| dynamic | 1.00 | 1.00 | skip | skip |" in table and REASON in table
+    assert (tmp_path / "suite.png").stat().st_size > 0
+
+
+def test_needle_grid_puts_the_reference_first_is_scored_only_and_drawn(calls, tmp_path):
+    out = tmp_path / "needle.json"
+    results = run_needle("smollm2-135m", ["kivi-2bit"], [TOO_LONG, 320], [0.5], 1, out, progress=False)
+    assert calls == ["score", "score"]
+    assert [(c["preset"], c["length"], c["depth"], "skipped" in c) for c in results["cells"]] == [
+        ("dynamic", 320, 0.5, False), ("dynamic", TOO_LONG, 0.5, True),
+        ("kivi-2bit", 320, 0.5, False), ("kivi-2bit", TOO_LONG, 0.5, True)]
+    run = [c for c in results["cells"] if "skipped" not in c]
+    assert all(c["accuracy"] in (0, 1) and c["logprob"] < 0 for c in run)
+    paths = long_report.plots(results, tmp_path, "needle")
+    assert [p.name for p in paths] == ["needle_accuracy.png", "needle_logprob.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    table = long_report.markdown_table(results)
+    assert "| preset | 320 | 16384 | mean | mean logprob |" in table
+    assert [line.split(" |")[0] for line in table.splitlines() if line.startswith("| ") and "skip" in line] == [
+        "| dynamic", "| kivi-2bit"]
+
+
+def test_bad_input_is_refused_with_the_next_step(calls, tmp_path, capsys):
+    out = tmp_path / "x.json"
+    with pytest.raises(ValueError, match="unknown tasks \\['niah'\\]; the tasks are: niah_single, niah_multikey"):
+        run_suite("smollm2-135m", ["kivi-2bit"], ["niah"], [320], 1, out, progress=False)
+    with pytest.raises(ValueError, match="depths are fractions .* got \\[50.0\\]"):
+        run_needle("smollm2-135m", ["kivi-2bit"], [320], [50.0], 1, out, progress=False)
+    with pytest.raises(ValueError, match="`torchkv calibrate --preset aquakv-2bit --model smollm2-135m --out DIR`, "
+                                         "then pass DIR as the preset"):
+        run_needle("smollm2-135m", ["aquakv-2bit"], [320], [0.5], 1, out, progress=False)
+    out.write_text(json.dumps({"meta": {"kind": "needle", "model": "other", "settings": {"samples": 1}}, "cells": []}))
+    with pytest.raises(ValueError, match="needle run of other .* pass another --out"):
+        run_needle("smollm2-135m", ["kivi-2bit"], [320], [0.5], 1, out, progress=False)
+    assert calls == []
+    with pytest.raises(SystemExit):
+        main(["eval", "--lengths", "320", "--out", str(out)])
+    assert "--lengths apply to the long-context runs only: add --suite long or --needle" in capsys.readouterr().err
