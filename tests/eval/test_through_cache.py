@@ -132,6 +132,8 @@ def test_lm_eval_model_bad_input(lm_eval_model):
         model.loglikelihood([_instance("loglikelihood", ("a context", ""))])
     with pytest.raises(ValueError, match="preset=DIR"):
         lm_eval_model(preset="aquakv-2bit")
+    with pytest.raises(TypeError, match="presett"):  # a misspelt model argument is not silently ignored
+        lm_eval_model(presett="kivi-2bit")
     with pytest.raises(ValueError, match="context_split"):
         lm_eval_model(preset="dynamic", context_split="Question:").loglikelihood(
             [_instance("loglikelihood", ("no marker here", " x"))], disable_tqdm=True)

@@ -27,9 +27,10 @@ from torchkv.models.loader import load_model
 @register_model("torchkv")
 class TorchKVLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", preset: str = "kivi-2bit", context_split: str | None = None,
-                 batch_size: int | str = 1, max_gen_toks: int = 256, device: str | None = None, **unused):
+                 batch_size: int | str = 1, max_gen_toks: int = 256, device: str | None = None,
+                 max_batch_size: int | None = None):
         super().__init__()
-        if str(batch_size).startswith("auto"):
+        if str(batch_size).startswith("auto"):  # (the harness passes max_batch_size for "auto" alone)
             raise ValueError("batch_size=auto is not supported: give a number (1 scores each request alone)")
         self.model, self.tokenizer = load_model(pretrained)
         if device and device.startswith("cuda") and not torch.cuda.is_available():
