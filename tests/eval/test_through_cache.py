@@ -132,6 +132,9 @@ def test_lm_eval_model_bad_input(lm_eval_model):
         model.loglikelihood([_instance("loglikelihood", ("a context", ""))])
     with pytest.raises(ValueError, match="preset=DIR"):
         lm_eval_model(preset="aquakv-2bit")
+    for row in ("quanto-2bit", "tuned:kivi-2bit@2.5", "compiled:kivi-2bit"):
+        with pytest.raises(ValueError, match="not a pipeline the lm-eval model can use"):
+            lm_eval_model(preset=row)
     with pytest.raises(TypeError, match="presett"):  # a misspelt model argument is not silently ignored
         lm_eval_model(presett="kivi-2bit")
     with pytest.raises(ValueError, match="context_split"):

@@ -38,9 +38,10 @@ class TorchKVLM(TemplateLM):
         elif device:
             self.model.to(device)
         self.row = method(str(preset))
-        if self.row.pipeline is None and self.row.nbits is not None:
-            raise ValueError(f"preset={preset!r} is a quanto baseline; the lm-eval model takes torchkv presets, "
-                             "saved pipeline folders, or 'dynamic' (full precision)")
+        if self.row.kind not in ("torchkv", "dynamic") or self.row.tuning is not None or self.row.compiled:
+            raise ValueError(f"preset={preset!r} is not a pipeline the lm-eval model can use: give a torchkv preset, "
+                             "a saved pipeline folder (`torchkv tune ... --out DIR` for a tuned one), or 'dynamic' "
+                             "(full precision)")
         if self.row.pipeline is not None:
             try:  # an uncalibrated pipeline fails here, before any request
                 self.row.new_cache(self.model)
