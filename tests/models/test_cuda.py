@@ -6,6 +6,7 @@ import torch
 
 import torchkv
 from torchkv.eval.data import documents
+from torchkv.models import cache_argument
 from torchkv.store import KVStore
 
 pytestmark = [pytest.mark.model, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -24,7 +25,7 @@ def _teacher_forced_logits(model, pipe, prompt, tokens, forbid_history=False, mo
     """Logits of each decode step after `prompt`, feeding the same `tokens` to every pipeline: [steps, vocab]."""
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model)
-        model(prompt, past_key_values=cache)
+        model(prompt, **cache_argument(model, cache))
         if forbid_history:
             monkeypatch.setattr(KVStore, "history", lambda self: pytest.fail("history reconstructed in decode"))
         out = [model(tokens[:, i : i + 1], past_key_values=cache).logits[0, -1] for i in range(tokens.shape[1])]
@@ -62,8 +63,8 @@ def test_whole_step_cuda_graphs_equal_eager(smollm2_cuda, preset):
                          options={"triton.cudagraphs": True, "emulate_precision_casts": True})
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model, max_cache_len=768)
-        model(prompt, past_key_values=cache)
-        got = torch.stack([step(input_ids=tokens[:, i : i + 1], past_key_values=cache).logits[0, -1].clone()
+        model(prompt, **cache_argument(model, cache))
+        got = torch.stack([step(input_ids=tokens[:, i : i + 1], **cache_argument(model, cache)).logits[0, -1].clone()
                            for i in range(tokens.shape[1])])
     assert cache.is_compileable and all(t.device.type == "cuda" for layer in cache.layers
                                         for t in layer.static.tensors().values())
