@@ -47,9 +47,22 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 
 
 
 def _timed(fn, reps: int, device: torch.device) -> float:
+    """Seconds per call of `fn` after two warm-up calls. On CUDA the `reps` calls are captured in one CUDA graph and
+    replayed, so that the device time is measured without the host's launch gaps."""
     fn()
     fn()
     sync(device)
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        sync(device)
+        start = time.perf_counter()
+        graph.replay()
+        sync(device)
+        return (time.perf_counter() - start) / reps
     start = time.perf_counter()
     for _ in range(reps):
         fn()
@@ -57,14 +70,16 @@ def _timed(fn, reps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def kernel_row(preset: str, context: int, batch: int, device: torch.device, heads=3, groups=3, dim=64) -> dict:
-    """One layer's decode attention: torchkv over packed codes vs DynamicCache's concat + SDPA over fp32."""
+def kernel_row(preset: str, context: int, batch: int, device: torch.device, heads=3, groups=3, dim=64,
+               dtype=torch.float32) -> dict:
+    """One layer's decode attention: torchkv over packed codes (on CUDA the Triton kernel, where the preset has one)
+    vs DynamicCache's concat + SDPA over the full-precision cache in `dtype`."""
     pipe = torchkv.KVPipeline.from_preset(preset, residual=128, compile=True)
     gen = torch.Generator().manual_seed(0)
     n_enc = (context - 128) // pipe.chunk * pipe.chunk
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(device)
+        return torch.randn(*shape, generator=gen).to(device, dtype)
 
     k, v = randn(batch, heads, n_enc, dim), randn(batch, heads, n_enc, dim)
     prepared = None
@@ -87,7 +102,9 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
     return {
         "preset": preset, "context": context, "batch": batch, "torchkv_ms": 1e3 * fused_s,
         "dynamic_ms": 1e3 * sdpa_s, "speedup": sdpa_s / fused_s, "compressed_bytes": compressed,
-        "fp32_bytes": 2 * full_k.numel() * 4, "achieved_bytes_per_s": compressed / fused_s,
+        "fp32_bytes": 2 * full_k.numel() * 4, "full_precision_bytes": 2 * full_k.numel() * full_k.element_size(),
+        "achieved_bytes_per_s": compressed / fused_s, "dtype": str(dtype).removeprefix("torch."),
+        "kernel": pipe.kernel_refusal(dim) is None and device.type == "cuda",
     }
 
 

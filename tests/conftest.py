@@ -4,6 +4,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors under its interpreter (read at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile(
     "torchkv",
     max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 30)),

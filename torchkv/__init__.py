@@ -1,7 +1,7 @@
 """torchkv: compressed KV caches for Hugging Face causal language models, in PyTorch."""
 
 from torchkv import methods  # noqa: F401  (registers the presets)
-from torchkv.models import load_model, new_cache, patch, patched, pipeline_of, unpatch
+from torchkv.models import compile_decode_step, load_model, new_cache, patch, patched, pipeline_of, unpatch
 from torchkv.pipeline import DEFAULT_PRESET, BitsPerValue, KVPipeline, presets
 from torchkv.registry import register_preset, register_transform
 
@@ -11,6 +11,7 @@ __all__ = [
     "DEFAULT_PRESET",
     "BitsPerValue",
     "KVPipeline",
+    "compile_decode_step",
     "load_model",
     "new_cache",
     "patch",

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 from torchkv import registry
 from torchkv import window as windows
 from torchkv._compat import mark_dynamic, own_cache, recompile_headroom
-from torchkv.ops import PLANAR_BITS
+from torchkv.ops import PLANAR_BITS, triton_decode
 from torchkv.transforms import Context, ProjectionWeights, Transform, build
 
 CONFIG_FILE = "torchkv_config.json"
@@ -197,16 +198,22 @@ class Chain:
     ) -> torch.Tensor:
         """Scores of `q: [B, H, g, dim]` against the encoded tokens (state viewed by chunk): [B, H, g, NC, C]
         (requires `scores_stored`)."""
-        r, dims = self.reader, self.dims(dim)
-        offsets = []
-        for i, t in enumerate(self.transforms[:r]):
+        q, offset = self.mapped_query(q, dim, params, prepared)
+        scores = self.transforms[self.reader].scores(q, state["out"], _sub(state, f"{self.reader}."))
+        return scores if offset is None else scores + offset[..., None]  # offset [B, H, g, 1, 1]
+
+    def mapped_query(
+        self, q: torch.Tensor, dim: int, params: Mapping, prepared: Mapping
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`q: [B, H, g, dim]` carried through the transforms before the reader: `(q', offset)` with
+        `q·x = q'·y + offset` for y the reader's input; offset `[B, H, g, 1]` or None (requires `scores_stored`)."""
+        dims, total = self.dims(dim), None
+        for i, t in enumerate(self.transforms[: self.reader]):
             ctx = self._ctx(i, dims[i], params, prepared)
-            offsets.append(t.score_offset(q, ctx))
+            offset = t.score_offset(q, ctx)
+            total = offset if total is None else total if offset is None else total + offset
             q = t.map_query(q, ctx)
-        scores = self.transforms[r].scores(q, state["out"], _sub(state, f"{r}."))
-        for offset in [o for o in offsets if o is not None]:
-            scores = scores + offset[..., None]  # [B, H, g, 1, 1]
-        return scores
+        return q, total
 
     def weighted_sum(
         self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping,
@@ -366,6 +373,7 @@ class KVPipeline:
         self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
         self._layer_pipes: dict[tuple, KVPipeline] = {}  # built by `for_layer`, by chains and window rules
         self._for_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # built by `for_model`
+        self._kernel_warned = False  # `attend_decode` on CUDA says once when no kernel reads the stored form
 
     @property
     def compile(self) -> bool | str:
@@ -528,6 +536,9 @@ class KVPipeline:
                 elif self.carries and side == "keys" and why is None:
                     why = "the pipeline predicts across layers, and the next layer reads this one's rebuilt keys"
                 parts.append(f"{side} {verb} from the stored form" if why is None else f"{side} rebuilt: {why}")
+            refusal = pipe.kernel_refusal()
+            parts.append("on CUDA the Triton kernel over KIVI's layout" if refusal is None
+                         else f"on CUDA no GPU kernel ({refusal}), Inductor's reductions")
             return "; ".join(parts)
 
         last = num_layers or max(self.layer_chains, default=-1) + 2
@@ -545,9 +556,36 @@ class KVPipeline:
         return "\n".join(f"layer {a}: {t}" if a == b else f"layers {a}-{'' if b is None else b}: {t}"
                          for a, b, t in lines)
 
-    def _attend_decode(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, inputs):
+    def kernel_refusal(self, head_dim: int = 128) -> str | None:
+        """Why decode attention on a GPU cannot run the Triton kernel over KIVI's stored form (`ops.triton_decode`)
+        for heads of `head_dim`, and runs the Inductor path instead; None when it runs the kernel."""
+        from torchkv.transforms.quantizers import UniformQuantize
+
+        if triton_decode.triton is None:
+            return "Triton is not installed"
+        if not self.compile:
+            return "compile=False runs decode attention eagerly over rebuilt tokens"
+        if self.carries or self.selector is not None:
+            return "the pipeline predicts across layers or selects chunks"
+        if not (self.keys.scores_stored and self.values.sums_stored):
+            return "decode attention rebuilds its keys or values"
+        k, v = self.keys.transforms[self.keys.reader], self.values.transforms[self.values.reader]
+        for side, t, axis in (("keys", k, "channel"), ("values", v, "token")):
+            uniform = isinstance(t, UniformQuantize)
+            if not uniform or t.config.axis != axis or t.config.symmetric:
+                stored = f"{t.kind}.{t.name}" + (
+                    f"(axis={t.config.axis!r}, symmetric={t.config.symmetric})" if uniform else "")
+                return (f"the kernel reads asymmetric uniform codes per {axis} as {side} (KIVI's layout), and the "
+                        f"{side} are stored by {stored}")
+        if self.values.reader or self.keys.dims(head_dim)[self.keys.reader] != head_dim:
+            return "a transform before the value quantizer, or one that changes the key size, is not in the kernel"
+        return None
+
+    def _attend_decode(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, inputs, live=None):
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
+        if triton_decode.runs_on(q.device) and self.kernel_refusal(d) is None:
+            return self._kernel_decode(q, encoded, k_fp, v_fp, mask, softcap, params, prepared, live)
         qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
         flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
         carry: dict[str, torch.Tensor] = {}
@@ -577,6 +615,24 @@ class KVPipeline:
         out = out + p_fp @ v_fp.float()
         return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
 
+    def _kernel_decode(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, live):
+        """`_attend_decode` as one call of the Triton kernel over the KIVI-coded chunks (`kernel_refusal` is None)."""
+        b, hq, _, d = q.shape
+        h = k_fp.shape[1]
+        q_fp = q.reshape(b, h, hq // h, d).float()
+        q_enc, offset = self.keys.mapped_query(q_fp, d, _sub(params, "k."), _sub(prepared, "k."))
+        bias = torch.zeros(b, hq, device=q.device) if offset is None else offset.expand(b, h, hq // h, 1).reshape(b, hq)
+        codes = {n: t.flatten(2, 3) for n, t in encoded.items()}  # [B, H, NC·rows per chunk, ...]
+        kr, vr = self.keys.reader, self.values.reader
+        out, lse, s_fp = triton_decode.kivi_decode(
+            q_enc.reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"], codes[f"k.{kr}.scale"],
+            codes[f"k.{kr}.zero"], codes["v.out"], codes[f"v.{vr}.scale"], codes[f"v.{vr}.zero"], k_fp, v_fp,
+            None if mask is None else mask.reshape(mask.shape[0], -1), bias, live, softcap or 0.0,
+            self.keys.transforms[kr].config.bits, self.values.transforms[vr].config.bits,
+        )
+        fp_attention = torch.exp(s_fp - lse[..., None]).mean((0, 1))  # [F]
+        return out.reshape(b, hq, 1, d), fp_attention, {}
+
     def attend_decode(
         self,
         q: torch.Tensor,
@@ -590,6 +646,7 @@ class KVPipeline:
         prepared: Mapping[str, torch.Tensor] | None = None,
         params: Mapping[str, torch.Tensor] | None = None,
         inputs: Mapping[str, torch.Tensor] | None = None,
+        live: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """One compiled decode step of attention over encoded chunks and full-precision tokens.
 
@@ -604,6 +661,8 @@ class KVPipeline:
             mask: [B or 1, 1, 1, NC·C + F] bool (True = attend), or None.
             params: the layer's fitted parameters (`layer_params(layer)`), to skip looking them up.
             inputs: what rebuilding the encoded tokens reads (`decode_chunk`'s inputs for them).
+            live: 0-d tensor, the encoded tokens held (fixed-capacity buffers hold more slots); the GPU kernel
+                reads no slot past it. None: every encoded token is held.
 
         Returns:
             out: [B, Hq, 1, D], q's dtype.
@@ -619,11 +678,19 @@ class KVPipeline:
             mark_dynamic(t, 2 if t.dim() == 4 else 1)
         if mask is not None:
             mark_dynamic(mask, 3)
+        if q.is_cuda and not self._kernel_warned and not torch.compiler.is_compiling():
+            refusal = self.kernel_refusal(q.shape[-1])
+            if refusal is not None:
+                warnings.warn(f"pipeline '{self.name}': decode attention has no GPU kernel for its stored form "
+                              f"({refusal}); it runs Inductor's reductions over the stored form, which are slower",
+                              stacklevel=2)
+            self._kernel_warned = True
         # a Python float argument would become a fresh tensor input at every call
         scaled = q.float() * scale
         out, fp_attention, carry = self._run(
             "_attend_decode", scaled, dict(encoded), k_fp, v_fp, mask, softcap,
             self.layer_params(layer) if params is None else dict(params), dict(prepared or {}), dict(inputs or {}),
+            live,
         )
         return out.to(q.dtype), fp_attention, carry
 

@@ -60,6 +60,10 @@ class StaticKVStore:
         self.rows: dict[str, int] = {}  # rows per chunk of each encoded state tensor
         self.prepared: dict[str, torch.Tensor] = {}
         self.params: dict[str, torch.Tensor] = {}
+        #: decode steps leave a full window to `flush_if_full`, called by the host after the step
+        #: (`models.step.compile_decode_step`), instead of encoding a chunk inside every step on CUDA
+        self.host_flush = False
+        self._held = (0, 0)  # (sinks, window tokens) as the host counts them, for `flush_if_full`
 
     # -- to and from a KVStore (eager) ------------------------------------------------------------------
 
@@ -109,6 +113,7 @@ class StaticKVStore:
             buf[name].fill_(n)
         self.prepared, self.params, self.dtype = store.prepared, store.params, store.dtype
         self.kv_heads, self.head_dim = store.kv_heads, store.head_dim
+        self._held = (s, n_res)
         store.reset()
 
     def thaw(self, store: KVStore) -> None:
@@ -244,10 +249,23 @@ class StaticKVStore:
         v_fp = torch.cat([buf["sink_v"], buf["res_v"][:, :, : self.window]], 2)
         out, _, _ = self.pipeline.attend_decode(
             materialized(query), encoded, k_fp, v_fp, mask, scaling, softcap, prepared=self.prepared, params=self.params,
+            live=buf["n_chunks"] * self.chunk,
         )
         buf["length"].add_(1)
-        self._flush()
+        if not self.host_flush:
+            self._flush()
         return out
+
+    def flush_if_full(self) -> None:
+        """After a decode step run with `host_flush`: count its token on the host and, on the steps that fill the
+        window, encode the oldest chunk (eagerly; its encoding is the pipeline's compiled `encode_chunk`). The
+        host's count equals the buffers' counts, so no step waits for the device to know whether to flush."""
+        sinks, window = self._held
+        sinks, window = (sinks + 1, window) if sinks < self.sinks else (sinks, window + 1)
+        if window == self.window:
+            self._flush()
+            window -= self.chunk
+        self._held = (sinks, window)
 
     # -- accounting -------------------------------------------------------------------------------------
 

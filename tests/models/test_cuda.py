@@ -3,6 +3,7 @@ cache stays packed on the device. Skipped where no GPU is present (CI); run with
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import torchkv
 from torchkv.eval.data import documents
@@ -17,8 +18,21 @@ PRESETS = ["kivi-2bit", "kivi-4bit", "squat-2bit", "subkv-2bit", "svdq-1.25bit-s
 
 @pytest.fixture(scope="module")
 def smollm2_cuda():
-    model, tokenizer = torchkv.load_model()
-    return model.cuda(), tokenizer
+    """(model on the GPU, `tokens(n)` -> [1, n] ids): SmolLM2 on Wikipedia text, or where its package is not installed
+    (the GPU machine reaches no package index) a model of SmolLM2's shape with random weights on random tokens.
+    Every test compares two decode paths over the same weights, which need not be trained for that."""
+    try:
+        model, tokenizer = torchkv.load_model()
+        return model.cuda(), lambda n: documents(tokenizer, n, 1).cuda()
+    except RuntimeError as err:
+        print(f"SmolLM2 unavailable ({err}); a model of its shape with random weights")
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().cuda()
+    generator = torch.Generator().manual_seed(0)
+    return model, lambda n: torch.randint(0, config.vocab_size, (1, n), generator=generator).cuda()
 
 
 def _teacher_forced_logits(model, pipe, prompt, tokens, forbid_history=False, monkeypatch=None):
@@ -38,8 +52,8 @@ def _teacher_forced_logits(model, pipe, prompt, tokens, forbid_history=False, mo
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_compiled_cuda_decode_equals_eager(smollm2_cuda, preset, monkeypatch):
-    model, tokenizer = smollm2_cuda
-    ids = documents(tokenizer, 700, 1).cuda()
+    model, tokens_of = smollm2_cuda
+    ids = tokens_of(700)
     prompt, tokens = ids[:, :660], ids[:, 660:]
     compiled = torchkv.KVPipeline.from_preset(preset)
     eager = torchkv.KVPipeline.from_preset(preset, compile=False)
@@ -52,15 +66,14 @@ def test_compiled_cuda_decode_equals_eager(smollm2_cuda, preset, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["kivi-2bit", "kivi-4bit", "squat-2bit", "frontier-2bit"])
 def test_whole_step_cuda_graphs_equal_eager(smollm2_cuda, preset):
-    """The whole decode step compiled with CUDA graphs (mode="reduce-overhead") over a fixed-capacity cache gives
-    the per-layer path's logits, across window flushes."""
-    model, tokenizer = smollm2_cuda
-    ids = documents(tokenizer, 760, 1).cuda()
+    """The whole decode step compiled with CUDA graphs (`compile_decode_step`: the host flushes full windows
+    between steps) over a fixed-capacity cache gives the per-layer path's logits, across window flushes."""
+    model, tokens_of = smollm2_cuda
+    ids = tokens_of(760)
     prompt, tokens = ids[:, :660], ids[:, 660:]
     pipe = torchkv.KVPipeline.from_preset(preset)
     expected = _teacher_forced_logits(model, pipe, prompt, tokens)
-    step = torch.compile(model.forward, fullgraph=True, dynamic=False,  # "reduce-overhead" is triton.cudagraphs
-                         options={"triton.cudagraphs": True, "emulate_precision_casts": True})
+    step = torchkv.compile_decode_step(model)
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model, max_cache_len=768)
         model(prompt, **cache_argument(model, cache))

@@ -112,6 +112,27 @@ def test_inductor_whole_step_equals_eager(preset):  # kivi-4bit's graph is the o
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_compiled_step_flushes_from_the_host_only_when_the_window_fills(monkeypatch):
+    """`compile_decode_step`: the step graph encodes nothing; the host encodes each layer's oldest chunk on exactly
+    the steps that fill its window (sinks first), and the logits equal eager steps across those flushes."""
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0, length=45)
+    pipe = torchkv.KVPipeline.from_preset("kivi-4bit", residual=16, sinks=2)  # window 16 + 32 tokens
+    encodes = []
+    encode = StaticKVStore._encode_window
+    monkeypatch.setattr(StaticKVStore, "_encode_window", lambda self, *a: encodes.append(self) or encode(self, *a))
+    with torchkv.patched(model, pipe):
+        eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 80)
+        eager_encodes, encodes[:] = len(encodes), []
+        step = torchkv.compile_decode_step(model)
+        compiled = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 80, forward=step)
+    # 45 prompt tokens: 2 sinks and 43 in the window, which holds 48 after 5 steps and again every 32 steps:
+    # flushes after steps 5, 37 and 69 in each layer (a step graph that encoded would also have traced an encode)
+    assert eager_encodes == len(encodes) == 3 * model.config.num_hidden_layers
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
 def test_generate_compiles_the_step_with_a_compile_config():
     model = tiny_model("llama")
     ids, mask = _prompt(batch=1, pad=0)

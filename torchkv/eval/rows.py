@@ -11,10 +11,10 @@ import torch
 from transformers import DynamicCache, QuantizedCache, StaticCache
 from transformers.cache_utils import Cache
 
-from torchkv._compat import own_cache
 from torchkv.models import patched
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache, resolve_pipeline
+from torchkv.models.step import compile_decode_step
 from torchkv.pipeline import KVPipeline
 
 TUNED = "tuned:"
@@ -24,8 +24,6 @@ BASELINES = {"dynamic": None, "quanto-4bit": 4, "quanto-2bit": 2}
 #: a torchkv row, or this baseline, transformers' StaticCache (the fastest full-precision path of transformers)
 COMPILED = "compiled:"
 STATIC_BASELINE = "static-compiled"
-#: Inductor options of whole-step graphs: quantization rounds through the stored dtypes exactly as eager does
-WHOLE_STEP_OPTIONS = {"emulate_precision_casts": True}
 
 
 @dataclass
@@ -124,16 +122,14 @@ class Method:
             raise ImportError("the quanto baselines need optimum-quanto: pip install optimum-quanto") from err
 
     def decode_forward(self, model):
-        """What runs a decode step: the model, or for compiled rows its forward compiled whole (static shapes;
-        CUDA graphs on GPUs), with graphs of its own: rows sharing the forward's code object would share dynamo's
+        """What runs a decode step: the model, or for compiled rows its forward compiled whole
+        (`compile_decode_step`: static shapes, CUDA graphs on GPUs, window flushes from the host), with graphs of
+        its own: rows sharing the forward's code object would share dynamo's
         limit of 8 graphs per code object (4 compiled rows x 3 contexts exceeded it)."""
         if not self.compiled:
             return model
         if self._step is None or self._step[0] is not model:
-            mode = "reduce-overhead" if model.device.type == "cuda" else None
-            forward = own_cache(model.forward)
-            step = torch.compile(forward, fullgraph=True, dynamic=False, mode=mode, options=WHOLE_STEP_OPTIONS)
-            self._step = (model, step)
+            self._step = (model, compile_decode_step(model))
         return self._step[1]
 
 

@@ -3,8 +3,9 @@
 from torchkv.models.cache import TorchKVCache, TorchKVLayer
 from torchkv.models.loader import load_model
 from torchkv.models.patch import cache_argument, new_cache, patch, patched, pipeline_of, unpatch
+from torchkv.models.step import compile_decode_step
 
 __all__ = [
-    "TorchKVCache", "TorchKVLayer", "cache_argument", "load_model", "new_cache", "patch", "patched", "pipeline_of",
+    "TorchKVCache", "TorchKVLayer", "cache_argument", "compile_decode_step", "load_model", "new_cache", "patch", "patched", "pipeline_of",
     "unpatch",
 ]

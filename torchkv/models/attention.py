@@ -18,9 +18,10 @@ from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
 
 ATTENTION_NAME = "torchkv"
 #: kernels for prompt (multi-token) attention: FlexAttention with the model's mask_mod as a BlockMask, or
-#: torch's SDPA with the same mask made dense (is_causal where it is plain causal). "auto" picks SDPA on
-#: CPU, where the compiled FlexAttention template measured ~2.8x slower than SDPA's causal kernel at 4K
-#: tokens (torch 2.13), and FlexAttention on GPUs.
+#: torch's SDPA with the same mask made dense (is_causal where it is plain causal). "auto" picks SDPA, and
+#: FlexAttention only for soft-capping, which SDPA lacks: on CPU the compiled FlexAttention template measured
+#: ~2.8x slower than SDPA's causal kernel at 4K tokens (torch 2.13), and on an H100 (torch 2.11) Inductor found no
+#: FlexAttention decoding kernel for the chunks of a chunked prompt (NoValidChoicesError).
 PREFILL_KERNELS = ("auto", "flex", "sdpa")
 
 
@@ -190,7 +191,7 @@ def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float 
         mask = spec.dense(1, keys.shape[2], query.device)
         return attend_dense(query, keys, values, mask, scaling, softcap)[0]
     if kernel == "auto":
-        kernel = "sdpa" if query.device.type == "cpu" else "flex"
+        kernel = "sdpa"
     if kernel == "sdpa" and softcap is None:  # SDPA has no logit soft-capping
         return _sdpa(query, keys, values, spec, scaling)
     return _flex(query, keys, values, spec, scaling, softcap)

@@ -1,0 +1,153 @@
+"""The Triton split-K decode kernel over KIVI's stored form equals its eager reference and the Inductor path.
+
+On a machine without a GPU the kernels run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set by
+conftest before Triton is imported), in float32 and float16 (the interpreter has no bfloat16)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchkv
+import torchkv.transforms as T
+from torchkv.models import cache_argument
+from torchkv.ops import triton_decode
+from torchkv.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: the full-precision tokens' dtypes (the interpreter has no bfloat16)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _pipeline(bits: int, key_group: int, value_group: int) -> torchkv.KVPipeline:
+    return torchkv.KVPipeline(
+        keys=[T.quantize(bits=bits, axis="channel", group=key_group), T.pack()],
+        values=[T.quantize(bits=bits, axis="token", group=value_group), T.pack()],
+    )
+
+
+class _Launches:
+    """A kernel whose launches are counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@st.composite
+def cases(draw):
+    """A history of encoded chunks and full-precision tokens, with left padding, a live bound and a window rule."""
+    bits = draw(st.sampled_from([1, 2, 4, 8]))
+    dim = draw(st.sampled_from([32, 64, 80]))
+    value_group = draw(st.sampled_from([g for g in (16, 32) if dim % g == 0]))
+    key_group = draw(st.sampled_from([8, 32]))
+    batch, heads, ratio = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 8))
+    chunks = draw(st.integers(1, 4))
+    fp = draw(st.integers(1, 40))
+    return dict(bits=bits, dim=dim, value_group=value_group, key_group=key_group, batch=batch, heads=heads,
+                ratio=ratio, chunks=chunks, fp=fp, live=draw(st.integers(0, chunks)), pad=draw(st.integers(0, 20)),
+                window=draw(st.none() | st.integers(8, 60)), softcap=draw(st.sampled_from([0.0, 20.0])),
+                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 99)))
+
+
+def _inputs(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    pipe = _pipeline(c["bits"], c["key_group"], c["value_group"])
+    b, h, d = c["batch"], c["heads"], c["dim"]
+    tokens = c["chunks"] * pipe.chunk
+    k = torch.randn(b, h, tokens, d, generator=g) * 2 + 0.5
+    v = torch.randn(b, h, tokens, d, generator=g)
+    state = pipe.encode_chunk(k, v)
+    q = torch.randn(b, h * c["ratio"], 1, d, generator=g) * d**-0.5
+    kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2).to(c["dtype"])
+    vf = torch.randn(b, h, c["fp"], d, generator=g).to(c["dtype"])
+    n = tokens + c["fp"]
+    index = torch.arange(n)
+    mask = (index[None] >= torch.tensor([c["pad"], 0][:b])[:, None])  # row 0 left-padded
+    if c["window"] is not None:  # a sliding window over the newest tokens
+        mask = mask & (index >= n - c["window"])[None]
+    mask[:, -1] = True  # the new token attends to itself
+    live = torch.tensor(c["live"] * pipe.chunk)
+    state = {n: t.to(DEVICE) for n, t in state.items()}
+    return pipe, state, *(t.to(DEVICE) for t in (q, kf, vf, mask, live))
+
+
+@settings(max_examples=12)  # the interpreter runs each program in NumPy: about a second an example
+@given(c=cases())
+def test_kernel_equals_eager_reference(c):
+    pipe, s, q, kf, vf, mask, live = _inputs(c)
+    b, hq, _, d = q.shape
+    q = q.reshape(b, hq, d)
+    args = (q, q, s["k.out"], s["k.0.scale"], s["k.0.zero"], s["v.out"], s["v.0.scale"], s["v.0.zero"], kf, vf, mask,
+            torch.randn(b, hq, device=DEVICE) * 0.1, live, c["softcap"], c["bits"], c["bits"])
+    expected = triton_decode.kivi_decode_reference(*args)
+    got = triton_decode.kivi_decode(*args)
+    for name, x, y in zip(("out", "lse", "s_fp"), got, expected):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@settings(max_examples=8)
+@given(c=cases())
+def test_pipeline_kernel_path_equals_the_inductor_path(c):
+    """`KVPipeline._attend_decode` through the kernel gives what it gives reading the packed codes with Inductor's
+    reductions (the CPU path), fp-token attention included (what window policies read)."""
+    pipe, s, q, kf, vf, mask, live = _inputs(c)
+    encoded = {n: t.unflatten(2, (c["chunks"], -1)) for n, t in s.items()}
+    softcap = c["softcap"] or None
+    index = torch.arange(mask.shape[1], device=DEVICE)
+    live_mask = mask & ((index < live) | (index >= c["chunks"] * pipe.chunk))[None]
+    args = (q.float(), encoded, kf, vf, live_mask[:, None, None], softcap, {}, {}, {})
+    with pytest.MonkeyPatch.context() as patch:  # a function-scoped fixture would outlive hypothesis' examples
+        patch.setattr(triton_decode, "runs_on", lambda device: False)
+        expected = pipe._attend_decode(*args)
+        patch.setattr(triton_decode, "runs_on", lambda device: True)
+        assert pipe.kernel_refusal(c["dim"]) is None
+        got = pipe._attend_decode(*args, live=live)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-4)
+
+
+def test_many_splits_combine():
+    """A history long enough for several splits per row (the log-sum-exp combine of many partials)."""
+    c = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=40, fp=3, live=37,
+             pad=5, window=None, softcap=0.0, dtype=torch.float32, seed=3)
+    pipe, s, q, kf, vf, mask, live = _inputs(c)
+    assert triton_decode._splits(1, 40 * 32)[1] > 8
+    q = q.reshape(1, 4, 64)
+    args = (q, q, s["k.out"], s["k.0.scale"], s["k.0.zero"], s["v.out"], s["v.0.scale"], s["v.0.zero"], kf, vf, mask,
+            torch.zeros(1, 4, device=DEVICE), live, 0.0, 2, 2)
+    for x, y in zip(triton_decode.kivi_decode(*args), triton_decode.kivi_decode_reference(*args)):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("capacity", [None, 200])
+def test_a_model_decodes_through_the_kernel(capacity, monkeypatch):
+    """A padded batch on a tiny model with sinks: the kernel path (growing store or fixed-capacity buffers) gives
+    the logits of the Inductor path across window flushes."""
+    model = tiny_model("llama").to(DEVICE)
+    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    logits, launches = {}, _Launches(triton_decode._combine_kernel)
+    monkeypatch.setattr(triton_decode, "_combine_kernel", launches)
+    for kernel in (False, True):
+        monkeypatch.setattr(triton_decode, "runs_on", lambda device, kernel=kernel: kernel)
+        pipe = torchkv.KVPipeline.from_preset("kivi-2bit", residual=16, sinks=2, compile=True)  # graphs of its own
+        with torchkv.patched(model, pipe):
+            cache = torchkv.new_cache(model, max_cache_len=capacity)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                                 **cache_argument(model, cache))
+        logits[kernel] = torch.stack(out.logits)
+        assert launches.count == (39 * model.config.num_hidden_layers if kernel else 0)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
+
+
+def test_explain_names_the_kernel_or_why_not():
+    assert "Triton kernel" in torchkv.KVPipeline.from_preset("kivi-2bit").explain()
+    assert "no GPU kernel" in torchkv.KVPipeline.from_preset("frontier-2bit").explain()

@@ -1,0 +1,59 @@
+"""`benchmarks/gpu_decode.py` on the CPU with its tiny shape: every row measured, its files written, the random-weights
+note kept (the compiled rows compile for minutes on a CPU, and are left to the GPU run)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+_spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py")
+gpu_decode = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_decode)
+
+
+def test_gpu_decode_benchmark_runs_on_the_cpu_and_writes_its_files(tmp_path, capsys):
+    path = gpu_decode.main(["--cells", "tiny:1x96", "--rows", "dynamic,kivi-2bit", "--device", "cpu",
+                            "--dtype", "float32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+    results = json.loads(path.read_text())
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md", ".png"]
+    assert results["meta"]["finished"] and results["meta"]["random_weights"] == gpu_decode.RANDOM_WEIGHTS
+    assert "random" in results["meta"]["random_weights"] and results["meta"]["copy_bandwidth_bytes_per_s"] > 0
+    rows = {r["row"]: r for r in results["rows"]}
+    assert list(rows) == [gpu_decode.FP16_LIMIT, "dynamic", "kivi-2bit"]
+    for name in ("dynamic", "kivi-2bit"):
+        row = rows[name]
+        assert "error" not in row, row.get("error")
+        assert (row["shape"], row["batch"], row["context"]) == ("tiny", 1, 96)
+        assert row["ms_per_step"] > 0 and row["prefill_ms"] > 0 and row["cache_bytes"] > 0
+        assert row["bytes_per_step"] > row["cache_bytes"] and 0 < row["fraction_of_copy_bandwidth"]
+        assert row["x_dynamic"] > 0 and "x_static_compiled" not in row
+    assert rows["dynamic"]["x_dynamic"] == 1.0 and rows["dynamic"]["prefill_x_dynamic"] == 1.0
+    fp16 = rows[gpu_decode.FP16_LIMIT]
+    config = gpu_decode.LlamaConfig(**gpu_decode.SHAPES["tiny"])
+    assert fp16["cache_bytes"] == 2 * 2 * 1 * 2 * 64 * 96 * 2 == gpu_decode.fp16_cache_bytes(config, 1, 96)
+    table = path.with_suffix(".md").read_text()
+    assert "## tiny batch 1 x 96 tokens" in table and "| kivi-2bit | " in table and "random" in table
+    assert "| kivi-2bit | " in capsys.readouterr().out
+
+
+def test_rows_past_the_deadline_are_recorded_as_skipped(tmp_path):
+    path = gpu_decode.main(["--cells", "tiny:1x8", "--rows", "dynamic", "--device", "cpu", "--dtype", "float32",
+                            "--steps", "1", "--deadline-seconds", "0", "--out", str(tmp_path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["row"], r.get("skipped")) for r in rows] == [
+        (gpu_decode.FP16_LIMIT, None), ("dynamic", "skipped: deadline")]
+
+
+def test_cells_parse_and_the_fp16_limit_counts_the_bytes_a_step_reads():
+    assert gpu_decode.parse_cells("1b:1x4096,8b:8x32768") == [("1b", 1, 4096), ("8b", 8, 32768)]
+    for bad in ("3b:1x4096", "1b:4096", "1b:1x"):
+        with pytest.raises(ValueError, match="SHAPE:BATCHxCONTEXT"):
+            gpu_decode.parse_cells(bad)
+    config = gpu_decode.LlamaConfig(**gpu_decode.SHAPES["8b"])
+    assert gpu_decode.fp16_cache_bytes(config, 8, 32768) == 2 * 32 * 8 * 8 * 128 * 32768 * 2  # 34.4 GB
+    model = gpu_decode.build_model("tiny", torch.device("cpu"), torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.config._attn_implementation == "sdpa"
+    params = sum(p.numel() for p in model.parameters())
+    assert gpu_decode.weight_bytes_read(model) == 2 * params  # tied embeddings: the table is read by the head

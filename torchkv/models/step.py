@@ -1,0 +1,50 @@
+"""A decode step compiled whole over a fixed-capacity torchkv cache, with window flushes called from the host."""
+
+from collections.abc import Callable
+
+import torch
+
+from torchkv._compat import own_cache
+from torchkv.models.cache import TorchKVCache
+
+#: Inductor options of whole-step graphs: quantization rounds through the stored dtypes exactly as eager does
+WHOLE_STEP_OPTIONS = {"emulate_precision_casts": True}
+
+
+def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
+    """`model.forward` compiled as one graph (fullgraph, static shapes) for decode steps, under CUDA graphs on GPUs.
+
+    The returned callable takes the forward's arguments. When its cache is a fixed-capacity `TorchKVCache`
+    (`torchkv.new_cache(model, max_cache_len=N)`), the step graph only writes the new token and attends: after
+    each step the host counts the token and, on the steps that fill the window (one in `chunk`), encodes the
+    window's oldest chunk outside the graph. A step compiled without this callable encodes a chunk inside every
+    step on CUDA (kept only when the window is full), which CUDA graphs need to capture the step whole.
+
+    Args:
+        model: a model patched by torchkv (or any model, for transformers' own `StaticCache`).
+        cuda_graphs: replay the step as a CUDA graph; None: on CUDA models.
+    """
+    if cuda_graphs is None:
+        cuda_graphs = model.device.type == "cuda"
+    # torch 2.11 refuses mode="reduce-overhead" together with options: CUDA graphs are asked for as an option
+    options = {**WHOLE_STEP_OPTIONS, "triton.cudagraphs": cuda_graphs}
+    compiled = torch.compile(own_cache(model.forward), fullgraph=True, dynamic=False, options=options)
+
+    def step(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        tokens = next((x.shape[1] for x in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None), 0)
+        frozen = []
+        if isinstance(cache, TorchKVCache) and tokens == 1:
+            frozen = [layer.static for layer in cache.layers if layer.frozen]
+        for store in frozen:  # only while this callable steps: another caller's steps flush inside the graph
+            store.host_flush = True
+        try:
+            out = compiled(*args, **kwargs)
+        finally:
+            for store in frozen:
+                store.host_flush = False
+        for store in frozen:
+            store.flush_if_full()
+        return out
+
+    return step

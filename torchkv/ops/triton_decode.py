@@ -1,0 +1,294 @@
+"""Split-K decode attention over KIVI's stored form, as Triton kernels, beside its eager reference.
+
+The stored form (`quantize.uniform` + planar `pack.bits`): keys are b-bit codes per channel in groups of `Gk`
+tokens, `k̂_td = c_td·Δ_{t/Gk,d} + m_{t/Gk,d}`; values are b-bit codes per token in groups of `Gv` channels,
+`v̂_td = c_td·Δ_{t,d/Gv} + m_{t,d/Gv}`; codes are planar-packed (`ops.pack`: channel `d = i·M + j` is byte j of
+plane i, at bit offset `b·i`). Full-precision tokens (sinks, window, the new one) follow the encoded ones.
+
+`kivi_decode` computes `softmax(q·[k̂; k_fp]ᵀ)·[v̂; v_fp]` for one new query per row in two kernels:
+
+- `_split_kernel`, grid `(B·H, S + 1)`: program (b·h, s) serves all `g = Hq/H` query heads of KV head h (GQA
+  inside the program, so each code is read once), over split s of the encoded tokens; the last split is the
+  full-precision tokens. It unpacks the codes in registers, applies the mask, the live-token bound and soft-capping,
+  and keeps an online softmax: it writes its running max m, sum l and unnormalized output `[g, D]`.
+- `_combine_kernel`, grid `(B·Hq,)`: the log-sum-exp combine of the S + 1 partials.
+
+No `[B, H, T, D]` key or value is formed. The op is registered with `torch.library.custom_op`, so
+`torch.compile` keeps it as one opaque call in its graph and CUDA graphs capture it (nothing in it syncs).
+On CPU tensors the kernels run only under Triton's interpreter (`TRITON_INTERPRET=1`), which tests use.
+"""
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the Inductor path serves every device without Triton
+    triton = None
+
+# Launch settings, from one sweep on an H100 (torch 2.11, `benchmarks/kernel_sweep.py`, one factor at a time; the
+# combination below was not measured together): one layer at 1B b16 x 16K and 8B b8 x 32K.
+#: programs to aim for across the splits (2048: 0.66 ms against 0.84 with 512 at 1B), and the fewest token blocks
+#: of a split (each split writes a partial output [g, D] that the combine reads back)
+TARGET_PROGRAMS = 2048
+MIN_SPLIT_BLOCKS = 4
+#: tokens a program reads per step of its loop (a divisor of the key token group folds the group's scales into
+#: the query; 16 took twice as long as 32)
+BLOCK_T = 32
+#: the dots' precision; None: "tf32x3" (about float32's error) for float32 models, "tf32" for 16-bit ones, whose
+#: relative error (about 5e-4) is under their rounding (0.63 ms against 0.84 at 1B, 0.93 against 1.42 at 8B)
+PRECISION = None
+#: warps per program; None: 2 for heads of at most 64 (0.62 ms against 0.84 with 4), else 4 (1.42 against 1.46)
+NUM_WARPS = None
+#: software pipeline stages of the token loop (2: 0.75 ms against 0.83 with 3 at 1B; equal at 8B)
+NUM_STAGES = 2
+
+
+def kivi_decode_reference(
+    q_enc, q_fp, kc, ks, kz, vc, vs, vz, kf, vf, mask, bias, live, softcap: float, bits_k: int, bits_v: int
+):
+    """Eager reference of `kivi_decode` (dequantizes the whole history; for tests only). Shapes as `kivi_decode`."""
+    from torchkv.ops.pack import unpack_bits
+
+    b, hq, d = q_fp.shape
+    h, te = kc.shape[1], kc.shape[2]
+    g = hq // h
+    k_hat = unpack_bits(kc, bits_k, d).float() * ks.float().repeat_interleave(te // ks.shape[2], 2) + \
+        kz.float().repeat_interleave(te // kz.shape[2], 2)
+    gv = d // vs.shape[-1]
+    v_hat = unpack_bits(vc, bits_v, d).float() * vs.float().repeat_interleave(gv, -1) + \
+        vz.float().repeat_interleave(gv, -1)
+    s_enc = torch.einsum("bhgd,bhtd->bhgt", q_enc.view(b, h, g, d), k_hat) + bias.view(b, h, g, 1)
+    s_fp = torch.einsum("bhgd,bhtd->bhgt", q_fp.view(b, h, g, d), kf.float())
+    scores = torch.cat([s_enc, s_fp], -1)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    allowed = ((index < (te if live is None else live)) | (index >= te))[None, None, None]
+    if mask is not None:
+        allowed = allowed & mask.view(mask.shape[0], 1, 1, -1)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - lse[..., None])
+    out = p[..., :te] @ v_hat + p[..., te:] @ vf.float()
+    return out.reshape(b, hq, d), lse.reshape(b, hq), scores[..., te:].reshape(b, hq, -1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(x):
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _online(s, m, l, acc, v, PRECISION: tl.constexpr):
+        """One block of the online softmax: scores s [G, T], values v [T, DP] (fp32)."""
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        return m_new, l, acc
+
+    @triton.jit
+    def _planar(BITS: tl.constexpr, M, M_PAD: tl.constexpr, D):
+        """The channel `d` [P·M_PAD] held at each column of unpacked planar codes (plane i, byte j: d = i·M + j),
+        and whether the column holds one (j < M, d < D)."""
+        c = tl.arange(0, (8 // BITS) * M_PAD)
+        j = c % M_PAD
+        d = (c // M_PAD) * M + j
+        return d, (j < M) & (d < D)
+
+    @triton.jit
+    def _codes(ptr, rows, tmask, M, BITS: tl.constexpr, M_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        """The b-bit codes of `rows` [BLOCK] of planar-packed bytes (M per row, read contiguously), unpacked in
+        registers: [BLOCK, P·M_PAD] float32, plane by plane (the column order of `_planar`)."""
+        j = tl.arange(0, M_PAD)
+        packed = tl.load(ptr + rows[:, None] * M + j[None, :], mask=tmask[:, None] & (j < M)[None, :], other=0)
+        shifts = tl.arange(0, 8 // BITS) * BITS
+        planes = (packed.to(tl.int32)[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        return tl.reshape(planes, (BLOCK, (8 // BITS) * M_PAD)).to(tl.float32)
+
+    @triton.jit
+    def _split_kernel(
+        q_enc, q_fp, kc, ks, kz, vc, vs, vz, kf, vf, mask, bias, live,
+        part_o, part_m, part_l, s_fp,
+        H, TE, F, MK, MV, SPLIT, NSPLIT, mask_rows, mask_cols, softcap,
+        G: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+        BITS_K: tl.constexpr, BITS_V: tl.constexpr, MK_PAD: tl.constexpr, MV_PAD: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H
+        og = tl.arange(0, BLOCK_G)
+        ob = tl.arange(0, BLOCK)
+        gmask = og < G
+        hq = bh * G + og  # query heads of this KV head, as rows of q [B·Hq, D]
+        mrow = (b % mask_rows) * mask_cols
+        dv, dv_ok = _planar(BITS_V, MV, MV_PAD, D)  # the output's columns: value channels in planar order
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, (8 // BITS_V) * MV_PAD], tl.float32)
+        if split < NSPLIT:  # encoded tokens [start, end)
+            dk, dk_ok = _planar(BITS_K, MK, MK_PAD, D)
+            q = tl.load(q_enc + hq[:, None] * D + dk[None, :], mask=gmask[:, None] & dk_ok[None, :], other=0.0)
+            extra = tl.load(bias + hq, mask=gmask, other=0.0)
+            end = TE
+            if HAS_LIVE:
+                end = tl.minimum(end, tl.load(live).to(tl.int32))
+            start = split * SPLIT
+            end = tl.minimum(end, start + SPLIT)
+            for t0 in range(start, end, BLOCK):
+                t = t0 + ob
+                tmask = t < end
+                row = bh * TE + t  # token row of the [B·H, TE, ...] tensors
+                codes = _codes(kc, row, tmask, MK, BITS_K, MK_PAD, BLOCK)
+                if GK % BLOCK == 0:  # one token group per block: its scales fold into the query
+                    meta = (bh * (TE // GK) + t0 // GK) * D + dk
+                    scale = tl.load(ks + meta, mask=dk_ok, other=0.0).to(tl.float32)
+                    zero = tl.load(kz + meta, mask=dk_ok, other=0.0).to(tl.float32)
+                    offset = tl.sum(q * zero[None, :], 1) + extra
+                    s = tl.dot(q * scale[None, :], tl.trans(codes), input_precision=PRECISION) + offset[:, None]
+                else:
+                    meta = (bh * (TE // GK) + t // GK)[:, None] * D + dk[None, :]
+                    both = tmask[:, None] & dk_ok[None, :]
+                    k = codes * tl.load(ks + meta, mask=both, other=0.0).to(tl.float32) + \
+                        tl.load(kz + meta, mask=both, other=0.0).to(tl.float32)
+                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + extra[:, None]
+                if SOFTCAP:
+                    s = softcap * _tanh(s / softcap)
+                keep = tmask
+                if HAS_MASK:
+                    keep = keep & (tl.load(mask + mrow + t, mask=tmask, other=0) != 0)
+                s = tl.where(keep[None, :], s, float("-inf"))
+                meta = row[:, None] * (D // GV) + (dv // GV)[None, :]
+                both = tmask[:, None] & dv_ok[None, :]
+                v = _codes(vc, row, tmask, MV, BITS_V, MV_PAD, BLOCK) * \
+                    tl.load(vs + meta, mask=both, other=0.0).to(tl.float32) + \
+                    tl.load(vz + meta, mask=both, other=0.0).to(tl.float32)
+                m, l, acc = _online(s, m, l, acc, v, PRECISION)
+        else:  # the full-precision tokens, which follow the encoded ones
+            od = tl.arange(0, BLOCK_D)
+            q = tl.load(q_fp + hq[:, None] * D + od[None, :], mask=gmask[:, None] & (od < D)[None, :], other=0.0)
+            for t0 in range(0, F, BLOCK):
+                t = t0 + ob
+                tmask = t < F
+                rows = (bh * F + t)[:, None] * D
+                k = tl.load(kf + rows + od[None, :], mask=tmask[:, None] & (od < D)[None, :], other=0.0)
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+                if SOFTCAP:
+                    s = softcap * _tanh(s / softcap)
+                keep = tmask
+                if HAS_MASK:
+                    keep = keep & (tl.load(mask + mrow + TE + t, mask=tmask, other=0) != 0)
+                s = tl.where(keep[None, :], s, float("-inf"))
+                tl.store(s_fp + hq[:, None] * F + t[None, :], s, mask=gmask[:, None] & tmask[None, :])
+                v = tl.load(vf + rows + dv[None, :], mask=tmask[:, None] & dv_ok[None, :], other=0.0)
+                m, l, acc = _online(s, m, l, acc, v.to(tl.float32), PRECISION)
+        parts = NSPLIT + 1
+        at = hq * parts + split
+        tl.store(part_m + at, m, mask=gmask)
+        tl.store(part_l + at, l, mask=gmask)
+        tl.store(part_o + at[:, None] * D + dv[None, :], acc, mask=gmask[:, None] & dv_ok[None, :])
+
+    @triton.jit
+    def _combine_kernel(part_o, part_m, part_l, out, lse, PARTS,
+                        D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)  # one query head of one batch row
+        os_ = tl.arange(0, BLOCK_S)
+        od = tl.arange(0, BLOCK_D)
+        smask = os_ < PARTS
+        m = tl.load(part_m + row * PARTS + os_, mask=smask, other=float("-inf"))
+        l = tl.load(part_l + row * PARTS + os_, mask=smask, other=0.0)
+        top = tl.max(m, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m - top)
+        total = tl.sum(w * l, 0)
+        o = tl.load(part_o + (row * PARTS + os_)[:, None] * D + od[None, :],
+                    mask=smask[:, None] & (od < D)[None, :], other=0.0)
+        o = tl.sum(o * w[:, None], 0) / total
+        tl.store(out + row * D + od, o, mask=od < D)
+        tl.store(lse + row, top + tl.log(total))
+
+
+def runs_on(device: torch.device) -> bool:
+    """Decode attention on `device` runs these kernels (CUDA, with Triton installed)."""
+    return triton is not None and device.type == "cuda"
+
+
+def _splits(rows: int, tokens: int) -> tuple[int, int]:
+    """(tokens per split, number of splits) for `rows` = B·H programs per split over `tokens` encoded tokens:
+    enough splits for about `TARGET_PROGRAMS` programs, each a whole number of blocks, at least `MIN_SPLIT_BLOCKS`."""
+    blocks = max(1, -(-tokens // BLOCK_T))
+    wanted = min(max(1, blocks // MIN_SPLIT_BLOCKS), max(1, -(-TARGET_PROGRAMS // rows)))
+    per = -(-blocks // wanted) * BLOCK_T
+    return per, max(1, -(-tokens // per))
+
+
+@torch.library.custom_op("torchkv::kivi_decode", mutates_args=())
+def kivi_decode(
+    q_enc: torch.Tensor, q_fp: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, kz: torch.Tensor,
+    vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
+    mask: torch.Tensor | None, bias: torch.Tensor, live: torch.Tensor | None, softcap: float, bits_k: int, bits_v: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode attention of one query per row over KIVI-coded and full-precision tokens.
+
+    Args:
+        q_enc: [B, Hq, D] float32, the (scaled) query as the encoded keys read it; q_fp: the same for the
+            full-precision keys. Query head i reads KV head i // (Hq/H).
+        kc: [B, H, TE, MK] uint8 planar key codes; ks, kz: [B, H, TE/Gk, D] scale and zero point per channel.
+        vc: [B, H, TE, MV] uint8 planar value codes; vs, vz: [B, H, TE, D/Gv] per channel group.
+        kf, vf: [B, H, F, D] the full-precision tokens (sinks, window, new), after the encoded ones.
+        mask: [B or 1, TE + F] bool, True where a token is attended; None: all.
+        bias: [B, Hq] float32 added to every encoded token's score (a key transform's offset).
+        live: 0-d int64 tensor, encoded tokens held (the rest are not read); None: all TE.
+        softcap: the model's attention soft-capping `c·tanh(s/c)`, 0 for none.
+
+    Returns:
+        out [B, Hq, D] float32; lse [B, Hq] the log-sum-exp of the scores; s_fp [B, Hq, F] the
+        full-precision tokens' scores, -inf where masked (their probabilities are `exp(s_fp - lse)`).
+    """
+    b, hq, d = q_fp.shape
+    h, te, mk = kc.shape[1:]
+    f, mv = kf.shape[2], vc.shape[-1]
+    g = hq // h
+    per, nsplit = _splits(b * h, te)
+    parts = nsplit + 1
+    dev = q_fp.device
+    part_o = torch.empty(b * hq * parts, d, dtype=torch.float32, device=dev)
+    part_m = torch.empty(b * hq * parts, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    s_fp = torch.empty(b, hq, f, dtype=torch.float32, device=dev)
+    mask_t = torch.ones(1, te + f, dtype=torch.uint8, device=dev) if mask is None else mask.view(torch.uint8)
+    live_t = torch.zeros((), dtype=torch.long, device=dev) if live is None else live
+    block_d = max(16, triton.next_power_of_2(d))
+    _split_kernel[(b * h, parts)](
+        q_enc.contiguous(), q_fp.contiguous(), kc.contiguous(), ks.contiguous(), kz.contiguous(), vc.contiguous(),
+        vs.contiguous(), vz.contiguous(), kf.contiguous(), vf.contiguous(), mask_t.contiguous(), bias.contiguous(),
+        live_t, part_o, part_m, part_l, s_fp,
+        h, te, f, mk, mv,
+        per, nsplit, mask_t.shape[0], mask_t.shape[1], float(softcap),
+        G=g, D=d, GK=te // ks.shape[2], GV=d // vs.shape[-1], BITS_K=bits_k, BITS_V=bits_v,
+        MK_PAD=triton.next_power_of_2(mk), MV_PAD=triton.next_power_of_2(mv),
+        HAS_MASK=mask is not None, HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
+        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=BLOCK_T,
+        PRECISION=PRECISION or ("tf32x3" if kf.dtype == torch.float32 else "tf32"),
+        num_warps=NUM_WARPS or (2 if d <= 64 else 4), num_stages=NUM_STAGES,
+    )
+    out = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
+    _combine_kernel[(b * hq,)](part_o, part_m, part_l, out, lse, parts, D=d,
+                               BLOCK_S=max(16, triton.next_power_of_2(parts)), BLOCK_D=block_d)
+    return out, lse, s_fp
+
+
+@kivi_decode.register_fake
+def _(q_enc, q_fp, kc, ks, kz, vc, vs, vz, kf, vf, mask, bias, live, softcap, bits_k, bits_v):
+    b, hq, d = q_fp.shape
+    return (q_fp.new_empty(b, hq, d, dtype=torch.float32), q_fp.new_empty(b, hq, dtype=torch.float32),
+            q_fp.new_empty(b, hq, kf.shape[2], dtype=torch.float32))
