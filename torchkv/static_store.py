@@ -63,7 +63,8 @@ class StaticKVStore:
         #: decode steps leave a full window to `flush_if_full`, called by the host after the step
         #: (`models.step.compile_decode_step`), instead of encoding a chunk inside every step on CUDA
         self.host_flush = False
-        self._held = (0, 0)  # (sinks, window tokens) as the host counts them, for `flush_if_full`
+        #: (sinks, window tokens) as the host counts them for `flush_if_full`; None after steps it did not count
+        self._held: tuple[int, int] | None = (0, 0)
 
     # -- to and from a KVStore (eager) ------------------------------------------------------------------
 
@@ -254,14 +255,19 @@ class StaticKVStore:
         buf["length"].add_(1)
         if not self.host_flush:
             self._flush()
+            self._held = None
         return out
 
     def flush_if_full(self) -> None:
         """After a decode step run with `host_flush`: count its token on the host and, on the steps that fill the
         window, encode the oldest chunk (eagerly; its encoding is the pipeline's compiled `encode_chunk`). The
-        host's count equals the buffers' counts, so no step waits for the device to know whether to flush."""
-        sinks, window = self._held
-        sinks, window = (sinks + 1, window) if sinks < self.sinks else (sinks, window + 1)
+        host's count equals the buffers' counts, so no step waits for the device to know whether to flush (after
+        steps that flushed on their own, it reads the counts once)."""
+        if self._held is None:
+            sinks, window = int(self.buffers["n_sinks"]), int(self.buffers["n_residual"])
+        else:
+            sinks, window = self._held
+            sinks, window = (sinks + 1, window) if sinks < self.sinks else (sinks, window + 1)
         if window == self.window:
             self._flush()
             window -= self.chunk

@@ -132,6 +132,15 @@ def test_compiled_step_flushes_from_the_host_only_when_the_window_fills(monkeypa
     assert eager_encodes == len(encodes) == 3 * model.config.num_hidden_layers
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
+    def mixed(**inputs):  # every third step eager: steps the host does not count, after which it reads the counts
+        mixed.steps += 1
+        return (model if mixed.steps % 3 == 0 else step)(**inputs)
+
+    mixed.steps = 0
+    with torchkv.patched(model, pipe):
+        got = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 80, forward=mixed)
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+
 
 def test_generate_compiles_the_step_with_a_compile_config():
     model = tiny_model("llama")
