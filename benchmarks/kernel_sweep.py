@@ -40,7 +40,7 @@ def layer_inputs(preset: str, batch: int, heads: int, q_heads: int, dim: int, to
     kf, vf = randn(batch, heads, window, dim), randn(batch, heads, window, dim)
     q = randn(batch, q_heads, dim).float() * dim**-0.5
     args = (q, q, state["k.out"], state["k.0.scale"], state["k.0.zero"], state["v.out"], state["v.0.scale"],
-            state["v.0.zero"], kf, vf, None, torch.zeros(batch, q_heads, device="cuda"), None, 0.0,
+            state["v.0.zero"], kf, vf, None, None, None, 0.0,
             pipe.keys.transforms[0].config.bits, pipe.values.transforms[0].config.bits)
     nbytes = sum(t.numel() * t.element_size() for t in (*state.values(), kf, vf))
     return args, nbytes

@@ -621,7 +621,7 @@ class KVPipeline:
         h = k_fp.shape[1]
         q_fp = q.reshape(b, h, hq // h, d).float()
         q_enc, offset = self.keys.mapped_query(q_fp, d, _sub(params, "k."), _sub(prepared, "k."))
-        bias = torch.zeros(b, hq, device=q.device) if offset is None else offset.expand(b, h, hq // h, 1).reshape(b, hq)
+        bias = None if offset is None else offset.expand(b, h, hq // h, 1).reshape(b, hq)
         codes = {n: t.flatten(2, 3) for n, t in encoded.items()}  # [B, H, NC·rows per chunk, ...]
         kr, vr = self.keys.reader, self.values.reader
         out, lse, s_fp = triton_decode.kivi_decode(

@@ -111,15 +111,17 @@ def test_pipeline_kernel_path_equals_the_inductor_path(c):
     torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=1e-4)
 
 
-def test_many_splits_combine():
-    """A history long enough for several splits per row (the log-sum-exp combine of many partials)."""
+@pytest.mark.parametrize("masked", [True, False])
+def test_many_splits_combine(masked):
+    """A history long enough for several splits per row (the log-sum-exp combine of many partials), with a mask,
+    or with no mask and no bias (arguments the kernel then never reads)."""
     c = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=40, fp=3, live=37,
              pad=5, window=None, softcap=0.0, dtype=torch.float32, seed=3)
     pipe, s, q, kf, vf, mask, live = _inputs(c)
     assert triton_decode._splits(1, 40 * 32)[1] > 8
     q = q.reshape(1, 4, 64)
-    args = (q, q, s["k.out"], s["k.0.scale"], s["k.0.zero"], s["v.out"], s["v.0.scale"], s["v.0.zero"], kf, vf, mask,
-            torch.zeros(1, 4, device=DEVICE), live, 0.0, 2, 2)
+    args = (q, q, s["k.out"], s["k.0.scale"], s["k.0.zero"], s["v.out"], s["v.0.scale"], s["v.0.zero"], kf, vf,
+            mask if masked else None, torch.randn(1, 4, device=DEVICE) if masked else None, live, 0.0, 2, 2)
     for x, y in zip(triton_decode.kivi_decode(*args), triton_decode.kivi_decode_reference(*args)):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 

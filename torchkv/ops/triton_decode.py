@@ -51,16 +51,16 @@ def kivi_decode_reference(
 ):
     """Eager reference of `kivi_decode` (dequantizes the whole history; for tests only). Shapes as `kivi_decode`."""
     from torchkv.ops.pack import unpack_bits
+    from torchkv.ops.quantize import dequantize
 
     b, hq, d = q_fp.shape
     h, te = kc.shape[1], kc.shape[2]
     g = hq // h
-    k_hat = unpack_bits(kc, bits_k, d).float() * ks.float().repeat_interleave(te // ks.shape[2], 2) + \
-        kz.float().repeat_interleave(te // kz.shape[2], 2)
-    gv = d // vs.shape[-1]
-    v_hat = unpack_bits(vc, bits_v, d).float() * vs.float().repeat_interleave(gv, -1) + \
-        vz.float().repeat_interleave(gv, -1)
-    s_enc = torch.einsum("bhgd,bhtd->bhgt", q_enc.view(b, h, g, d), k_hat) + bias.view(b, h, g, 1)
+    k_hat = dequantize(unpack_bits(kc, bits_k, d), ks, kz, bits_k, -2, te // ks.shape[2])
+    v_hat = dequantize(unpack_bits(vc, bits_v, d), vs, vz, bits_v, -1, d // vs.shape[-1])
+    s_enc = torch.einsum("bhgd,bhtd->bhgt", q_enc.view(b, h, g, d), k_hat)
+    if bias is not None:
+        s_enc = s_enc + bias.view(b, h, g, 1)
     s_fp = torch.einsum("bhgd,bhtd->bhgt", q_fp.view(b, h, g, d), kf.float())
     scores = torch.cat([s_enc, s_fp], -1)
     if softcap:
@@ -119,7 +119,7 @@ if triton is not None:
         H, TE, F, MK, MV, SPLIT, NSPLIT, mask_rows, mask_cols, softcap,
         G: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
         BITS_K: tl.constexpr, BITS_V: tl.constexpr, MK_PAD: tl.constexpr, MV_PAD: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTCAP: tl.constexpr,
+        HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTCAP: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     ):
         bh = tl.program_id(0)
@@ -137,7 +137,9 @@ if triton is not None:
         if split < NSPLIT:  # encoded tokens [start, end)
             dk, dk_ok = _planar(BITS_K, MK, MK_PAD, D)
             q = tl.load(q_enc + hq[:, None] * D + dk[None, :], mask=gmask[:, None] & dk_ok[None, :], other=0.0)
-            extra = tl.load(bias + hq, mask=gmask, other=0.0)
+            extra = tl.zeros([BLOCK_G], tl.float32)
+            if HAS_BIAS:
+                extra = tl.load(bias + hq, mask=gmask, other=0.0)
             end = TE
             if HAS_LIVE:
                 end = tl.minimum(end, tl.load(live).to(tl.int32))
@@ -234,7 +236,8 @@ def _splits(rows: int, tokens: int) -> tuple[int, int]:
 def kivi_decode(
     q_enc: torch.Tensor, q_fp: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, kz: torch.Tensor,
     vc: torch.Tensor, vs: torch.Tensor, vz: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
-    mask: torch.Tensor | None, bias: torch.Tensor, live: torch.Tensor | None, softcap: float, bits_k: int, bits_v: int,
+    mask: torch.Tensor | None, bias: torch.Tensor | None, live: torch.Tensor | None, softcap: float, bits_k: int,
+    bits_v: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode attention of one query per row over KIVI-coded and full-precision tokens.
 
@@ -245,7 +248,7 @@ def kivi_decode(
         vc: [B, H, TE, MV] uint8 planar value codes; vs, vz: [B, H, TE, D/Gv] per channel group.
         kf, vf: [B, H, F, D] the full-precision tokens (sinks, window, new), after the encoded ones.
         mask: [B or 1, TE + F] bool, True where a token is attended; None: all.
-        bias: [B, Hq] float32 added to every encoded token's score (a key transform's offset).
+        bias: [B, Hq] float32 added to every encoded token's score (a key transform's offset), or None.
         live: 0-d int64 tensor, encoded tokens held (the rest are not read); None: all TE.
         softcap: the model's attention soft-capping `c·tanh(s/c)`, 0 for none.
 
@@ -264,18 +267,18 @@ def kivi_decode(
     part_m = torch.empty(b * hq * parts, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     s_fp = torch.empty(b, hq, f, dtype=torch.float32, device=dev)
-    mask_t = torch.ones(1, te + f, dtype=torch.uint8, device=dev) if mask is None else mask.view(torch.uint8)
-    live_t = torch.zeros((), dtype=torch.long, device=dev) if live is None else live
     block_d = max(16, triton.next_power_of_2(d))
+    unread = part_m  # stands for an absent mask, bias or live count, which the kernel then never reads
     _split_kernel[(b * h, parts)](
         q_enc.contiguous(), q_fp.contiguous(), kc.contiguous(), ks.contiguous(), kz.contiguous(), vc.contiguous(),
-        vs.contiguous(), vz.contiguous(), kf.contiguous(), vf.contiguous(), mask_t.contiguous(), bias.contiguous(),
-        live_t, part_o, part_m, part_l, s_fp,
+        vs.contiguous(), vz.contiguous(), kf.contiguous(), vf.contiguous(),
+        unread if mask is None else mask.contiguous().view(torch.uint8), unread if bias is None else bias.contiguous(),
+        unread if live is None else live, part_o, part_m, part_l, s_fp,
         h, te, f, mk, mv,
-        per, nsplit, mask_t.shape[0], mask_t.shape[1], float(softcap),
+        per, nsplit, 1 if mask is None else mask.shape[0], te + f, float(softcap),
         G=g, D=d, GK=te // ks.shape[2], GV=d // vs.shape[-1], BITS_K=bits_k, BITS_V=bits_v,
         MK_PAD=triton.next_power_of_2(mk), MV_PAD=triton.next_power_of_2(mv),
-        HAS_MASK=mask is not None, HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
+        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
         BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=BLOCK_T,
         PRECISION=PRECISION or ("tf32x3" if kf.dtype == torch.float32 else "tf32"),
         num_warps=NUM_WARPS or (2 if d <= 64 else 4), num_stages=NUM_STAGES,
