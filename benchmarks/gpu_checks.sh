@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent a GPU, as one command, each under its own time limit (0 skips it) so that the
-# whole run fits one call: the kernel's launch-setting sweep, the GPU decode benchmark, the Triton kernel tests,
-# then tests/models/test_cuda.py. Logs, JSON, Markdown and the plot go to $OUT (the device tool's folder) or
+# whole run fits one call: the kernel's launch-setting sweep, the GPU decode benchmark (with the sweep's best
+# settings where the sweep ran), the Triton kernel tests, then tests/models/test_cuda.py. Logs, JSON, Markdown and the plot go to $OUT (the device tool's folder) or
 # benchmarks/results/gpu.
 #
 #   bash benchmarks/gpu_checks.sh
@@ -21,10 +21,10 @@ transformers.__version__, 'triton', triton.__version__)"
 } > "$out/device.txt" 2>&1
 cat "$out/device.txt"
 
-limit "${SWEEP_S:-60}" $python benchmarks/kernel_sweep.py --out "$out/kernel_sweep.json" > /tmp/kernel_sweep.log 2>&1
+limit "${SWEEP_S:-120}" $python benchmarks/kernel_sweep.py --out "$out/kernel_sweep.json" > /tmp/kernel_sweep.log 2>&1
 echo "kernel sweep: exit $?"; tail -n 4 /tmp/kernel_sweep.log
 
-limit "${BENCH_S:-300}" $python benchmarks/gpu_decode.py --out "$out" \
+limit "${BENCH_S:-300}" $python benchmarks/gpu_decode.py --out "$out" --kernel-settings "$out/kernel_sweep.json" \
   --cells "${CELLS:-1b:16x16384,1b:1x4096,8b:8x32768,1b:1x32768}" \
   --rows "${ROWS:-static-compiled,compiled:kivi-2bit,dynamic,kivi-2bit,compiled:kivi-4bit}" \
   --deadline-seconds "$(( ${BENCH_S:-300} - 45 ))" 2>&1 | grep -v "DEBUG" > "$out/gpu_decode.log"

@@ -19,6 +19,7 @@ import argparse
 import gc
 import importlib.util
 import inspect
+import json
 import re
 import sys
 import time
@@ -36,6 +37,7 @@ from torchkv.eval.rows import STATIC_BASELINE, cache_nbytes, method
 from torchkv.eval.runner import _write, machine
 from torchkv.eval.speed import WARM_STEPS, _compiled_at_first_call, _warm_lengths, sync
 from torchkv.models import cache_argument
+from torchkv.ops import triton_decode
 
 _spec = importlib.util.spec_from_file_location("decode_benchmark", Path(__file__).with_name("decode.py"))
 _decode_benchmark = importlib.util.module_from_spec(_spec)
@@ -369,6 +371,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--deadline-seconds", type=float, default=330,
                         help="rows not started by then (seconds after the start) are recorded as skipped")
     parser.add_argument("--out", default="benchmarks/results/gpu", help="folder of this run's JSON, MD and PNG")
+    parser.add_argument("--kernel-settings", type=Path,
+                        help="a `kernel_sweep.py` JSON: run the kernel with the best launch settings it measured")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
@@ -379,6 +383,12 @@ def main(argv: list[str] | None = None) -> Path:
     bandwidth = copy_bandwidth(device)
     command = " ".join(sys.argv if argv is None else [__file__, *argv])
     results = {"meta": run_meta(args, device, bandwidth, command), "rows": [], "kernel": []}
+    if args.kernel_settings and args.kernel_settings.exists():
+        best = json.loads(args.kernel_settings.read_text()).get("best")
+        for name, value in (best or {}).get("settings", {}).items():
+            setattr(triton_decode, name, value)
+    results["meta"]["kernel_settings"] = {name: getattr(triton_decode, name) for name in (
+        "BLOCK_T", "PRECISION", "NUM_WARPS", "NUM_STAGES", "TARGET_PROGRAMS", "MIN_SPLIT_BLOCKS")}
     stem = _run_stem(Path(args.out), device_name(device))
     stem.parent.mkdir(parents=True, exist_ok=True)
 

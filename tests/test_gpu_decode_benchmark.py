@@ -8,16 +8,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchkv.ops import triton_decode
+
 _spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py")
 gpu_decode = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_decode)
 
 
-def test_gpu_decode_benchmark_runs_on_the_cpu_and_writes_its_files(tmp_path, capsys):
+def test_gpu_decode_benchmark_runs_on_the_cpu_and_writes_its_files(tmp_path, capsys, monkeypatch):
+    sweep = tmp_path / "sweep" / "kernel_sweep.json"  # the best launch settings of a kernel sweep are applied
+    sweep.parent.mkdir()
+    sweep.write_text(json.dumps({"best": {"settings": {"BLOCK_T": 64, "NUM_WARPS": 4}}}))
+    for name in ("BLOCK_T", "NUM_WARPS"):
+        monkeypatch.setattr(triton_decode, name, getattr(triton_decode, name))  # restored after the test
     path = gpu_decode.main(["--cells", "tiny:1x96", "--rows", "dynamic,kivi-2bit", "--device", "cpu",
-                            "--dtype", "float32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)])
+                            "--dtype", "float32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "run"),
+                            "--kernel-settings", str(sweep)])
     results = json.loads(path.read_text())
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md", ".png"]
+    assert sorted(p.suffix for p in (tmp_path / "run").iterdir()) == [".json", ".md", ".png"]
+    assert results["meta"]["kernel_settings"]["BLOCK_T"] == 64 and results["meta"]["kernel_settings"]["NUM_WARPS"] == 4
     assert results["meta"]["finished"] and results["meta"]["random_weights"] == gpu_decode.RANDOM_WEIGHTS
     assert "random" in results["meta"]["random_weights"] and results["meta"]["copy_bandwidth_bytes_per_s"] > 0
     rows = {r["row"]: r for r in results["rows"]}

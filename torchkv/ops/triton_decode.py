@@ -28,20 +28,21 @@ try:
 except ImportError:  # the Inductor path serves every device without Triton
     triton = None
 
-# Launch settings, from one sweep on an H100 (torch 2.11, `benchmarks/kernel_sweep.py`, one factor at a time; the
-# combination below was not measured together): one layer at 1B b16 x 16K and 8B b8 x 32K.
-#: programs to aim for across the splits (2048: 0.66 ms against 0.84 with 512 at 1B), and the fewest token blocks
-#: of a split (each split writes a partial output [g, D] that the combine reads back)
+# Launch settings, from a sweep of their combinations on an H100 (torch 2.11, `benchmarks/kernel_sweep.py`,
+# benchmarks/results/gpu/kernel_sweep_run3.json): one layer at 1B b16 x 16K and 8B b8 x 32K, ms per call.
+#: programs to aim for across the splits (2048: 0.66 ms against 0.84 with 512 at 1B, one factor at a time), and the
+#: fewest token blocks of a split (each split writes a partial output [g, D] that the combine reads back)
 TARGET_PROGRAMS = 2048
 MIN_SPLIT_BLOCKS = 4
-#: tokens a program reads per step of its loop (a divisor of the key token group folds the group's scales into
-#: the query; 16 took twice as long as 32)
+#: tokens a program reads per step of its loop (a divisor or a multiple of the key token group folds each group's
+#: scales into the query; 32: 0.40 and 0.60 ms, 64: 0.36 and 0.85, 128: 0.40 and 1.03, at 2 or 4 warps)
 BLOCK_T = 32
-#: the dots' precision; None: "tf32x3" (about float32's error) for float32 models, "tf32" for 16-bit ones, whose
-#: relative error (about 5e-4) is under their rounding (0.63 ms against 0.84 at 1B, 0.93 against 1.42 at 8B)
+#: the dots' operands; None: in the model's dtype for 16-bit models, as SDPA over their cache computes (0.40 and
+#: 0.60 ms, max error 6e-4), and float32 at "tf32x3" (about float32's error) for float32 models; or float32 at this
+#: `input_precision` ("tf32": 0.36 and 0.66 ms, max error 1.5e-4)
 PRECISION = None
-#: warps per program; None: 2 for heads of at most 64 (0.62 ms against 0.84 with 4), else 4 (1.42 against 1.46)
-NUM_WARPS = None
+#: warps per program (2: 0.40 and 0.60 ms; 4: 0.37 and 0.94; 8: 0.70 and 0.93)
+NUM_WARPS = 2
 #: software pipeline stages of the token loop (2: 0.75 ms against 0.83 with 3 at 1B; equal at 8B)
 NUM_STAGES = 2
 
@@ -83,14 +84,14 @@ if triton is not None:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
-    def _online(s, m, l, acc, v, PRECISION: tl.constexpr):
-        """One block of the online softmax: scores s [G, T], values v [T, DP] (fp32)."""
+    def _online(s, m, l, acc, v, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        """One block of the online softmax: scores s [G, T] (fp32), values v [T, DP]; the dot's operands in DOT."""
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PRECISION)
         return m_new, l, acc
 
     @triton.jit
@@ -105,12 +106,12 @@ if triton is not None:
     @triton.jit
     def _codes(ptr, rows, tmask, M, BITS: tl.constexpr, M_PAD: tl.constexpr, BLOCK: tl.constexpr):
         """The b-bit codes of `rows` [BLOCK] of planar-packed bytes (M per row, read contiguously), unpacked in
-        registers: [BLOCK, P·M_PAD] float32, plane by plane (the column order of `_planar`)."""
+        registers: [BLOCK, P·M_PAD] int32, plane by plane (the column order of `_planar`)."""
         j = tl.arange(0, M_PAD)
         packed = tl.load(ptr + rows[:, None] * M + j[None, :], mask=tmask[:, None] & (j < M)[None, :], other=0)
         shifts = tl.arange(0, 8 // BITS) * BITS
         planes = (packed.to(tl.int32)[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-        return tl.reshape(planes, (BLOCK, (8 // BITS) * M_PAD)).to(tl.float32)
+        return tl.reshape(planes, (BLOCK, (8 // BITS) * M_PAD))
 
     @triton.jit
     def _split_kernel(
@@ -120,7 +121,8 @@ if triton is not None:
         G: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
         BITS_K: tl.constexpr, BITS_V: tl.constexpr, MK_PAD: tl.constexpr, MV_PAD: tl.constexpr,
         HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+        DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -149,19 +151,27 @@ if triton is not None:
                 t = t0 + ob
                 tmask = t < end
                 row = bh * TE + t  # token row of the [B·H, TE, ...] tensors
-                codes = _codes(kc, row, tmask, MK, BITS_K, MK_PAD, BLOCK)
-                if GK % BLOCK == 0:  # one token group per block: its scales fold into the query
-                    meta = (bh * (TE // GK) + t0 // GK) * D + dk
-                    scale = tl.load(ks + meta, mask=dk_ok, other=0.0).to(tl.float32)
-                    zero = tl.load(kz + meta, mask=dk_ok, other=0.0).to(tl.float32)
-                    offset = tl.sum(q * zero[None, :], 1) + extra
-                    s = tl.dot(q * scale[None, :], tl.trans(codes), input_precision=PRECISION) + offset[:, None]
+                codes = _codes(kc, row, tmask, MK, BITS_K, MK_PAD, BLOCK).to(tl.float32)
+                if GROUPS > 0:  # the block holds GROUPS whole token groups: each one's scales fold into the query
+                    s = tl.zeros([BLOCK_G, BLOCK], tl.float32)
+                    for i in tl.static_range(GROUPS):
+                        group = t0 // GK + i
+                        meta = (bh * (TE // GK) + group) * D + dk
+                        ok = dk_ok & (group * GK + 0 * dk < TE)  # the last block may pass the last group
+                        scale = tl.load(ks + meta, mask=ok, other=0.0).to(tl.float32)
+                        zero = tl.load(kz + meta, mask=ok, other=0.0).to(tl.float32)
+                        part = tl.dot((q * scale[None, :]).to(DOT), tl.trans(codes.to(DOT)),
+                                      input_precision=PRECISION) + (tl.sum(q * zero[None, :], 1) + extra)[:, None]
+                        if GROUPS == 1:
+                            s = part
+                        else:
+                            s = tl.where((ob // GK == i)[None, :], part, s)
                 else:
                     meta = (bh * (TE // GK) + t // GK)[:, None] * D + dk[None, :]
                     both = tmask[:, None] & dk_ok[None, :]
                     k = codes * tl.load(ks + meta, mask=both, other=0.0).to(tl.float32) + \
                         tl.load(kz + meta, mask=both, other=0.0).to(tl.float32)
-                    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) + extra[:, None]
+                    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION) + extra[:, None]
                 if SOFTCAP:
                     s = softcap * _tanh(s / softcap)
                 keep = tmask
@@ -170,10 +180,10 @@ if triton is not None:
                 s = tl.where(keep[None, :], s, float("-inf"))
                 meta = row[:, None] * (D // GV) + (dv // GV)[None, :]
                 both = tmask[:, None] & dv_ok[None, :]
-                v = _codes(vc, row, tmask, MV, BITS_V, MV_PAD, BLOCK) * \
+                v = _codes(vc, row, tmask, MV, BITS_V, MV_PAD, BLOCK).to(tl.float32) * \
                     tl.load(vs + meta, mask=both, other=0.0).to(tl.float32) + \
                     tl.load(vz + meta, mask=both, other=0.0).to(tl.float32)
-                m, l, acc = _online(s, m, l, acc, v, PRECISION)
+                m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
         else:  # the full-precision tokens, which follow the encoded ones
             od = tl.arange(0, BLOCK_D)
             q = tl.load(q_fp + hq[:, None] * D + od[None, :], mask=gmask[:, None] & (od < D)[None, :], other=0.0)
@@ -182,7 +192,7 @@ if triton is not None:
                 tmask = t < F
                 rows = (bh * F + t)[:, None] * D
                 k = tl.load(kf + rows + od[None, :], mask=tmask[:, None] & (od < D)[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+                s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION)
                 if SOFTCAP:
                     s = softcap * _tanh(s / softcap)
                 keep = tmask
@@ -191,7 +201,7 @@ if triton is not None:
                 s = tl.where(keep[None, :], s, float("-inf"))
                 tl.store(s_fp + hq[:, None] * F + t[None, :], s, mask=gmask[:, None] & tmask[None, :])
                 v = tl.load(vf + rows + dv[None, :], mask=tmask[:, None] & dv_ok[None, :], other=0.0)
-                m, l, acc = _online(s, m, l, acc, v.to(tl.float32), PRECISION)
+                m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
         parts = NSPLIT + 1
         at = hq * parts + split
         tl.store(part_m + at, m, mask=gmask)
@@ -230,6 +240,21 @@ def _splits(rows: int, tokens: int) -> tuple[int, int]:
     wanted = min(max(1, blocks // MIN_SPLIT_BLOCKS), max(1, -(-TARGET_PROGRAMS // rows)))
     per = -(-blocks // wanted) * BLOCK_T
     return per, max(1, -(-tokens // per))
+
+
+def _groups(gk: int) -> int:
+    """Key token groups whose scales fold into the query per block of `BLOCK_T` tokens; 0 where blocks straddle
+    groups (the block's keys are then dequantized before the dot)."""
+    if gk % BLOCK_T == 0:
+        return 1
+    return BLOCK_T // gk if BLOCK_T % gk == 0 else 0
+
+
+def _dot(dtype: torch.dtype) -> dict:
+    """The dots' operand dtype and input precision for a model of `dtype` (`PRECISION`)."""
+    if PRECISION is None and dtype in (torch.bfloat16, torch.float16):
+        return {"DOT": tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, "PRECISION": "ieee"}
+    return {"DOT": tl.float32, "PRECISION": PRECISION or "tf32x3"}
 
 
 @torch.library.custom_op("torchkv::kivi_decode", mutates_args=())
@@ -279,9 +304,9 @@ def kivi_decode(
         G=g, D=d, GK=te // ks.shape[2], GV=d // vs.shape[-1], BITS_K=bits_k, BITS_V=bits_v,
         MK_PAD=triton.next_power_of_2(mk), MV_PAD=triton.next_power_of_2(mv),
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
-        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=BLOCK_T,
-        PRECISION=PRECISION or ("tf32x3" if kf.dtype == torch.float32 else "tf32"),
-        num_warps=NUM_WARPS or (2 if d <= 64 else 4), num_stages=NUM_STAGES,
+        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=BLOCK_T, GROUPS=_groups(te // ks.shape[2]),
+        **_dot(kf.dtype),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     out = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
     lse = torch.empty(b, hq, dtype=torch.float32, device=dev)
