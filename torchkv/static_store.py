@@ -35,6 +35,15 @@ def static_refusal(pipeline: KVPipeline) -> str | None:
     return None
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on `device`: free device memory and what PyTorch's caching allocator holds
+    unused; None where that is not known (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """`t` viewed as unsigned bytes when it is a float8 tensor (which the CPU's `index_copy_` does not take)."""
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
@@ -48,11 +57,13 @@ class StaticKVStore:
         capacity: the most tokens the layer will hold (sinks, encoded and window together).
     """
 
-    def __init__(self, pipeline: KVPipeline, capacity: int):
+    def __init__(self, pipeline: KVPipeline, capacity: int, layers_after: int = 0):
         reason = static_refusal(pipeline)
         if reason is not None:
             raise ValueError(f"pipeline '{pipeline.name}' cannot use fixed-shape buffers: {reason}")
         self.pipeline, self.capacity = pipeline, capacity
+        #: layers of the cache after this one, whose buffers are allocated after this one's (the capacity check)
+        self.layers_after = layers_after
         self.sinks, self.chunk = pipeline.sinks, pipeline.chunk
         self.window = pipeline.residual + pipeline.chunk  # a full window holds this many
         self.chunks = -(-capacity // self.chunk)  # chunk slots, the spare one not counted
@@ -74,6 +85,8 @@ class StaticKVStore:
         b, h, d = batch, store.kv_heads, store.head_dim
         probe = torch.zeros(b, h, c, d, dtype=store.dtype, device=device)
         state = pipe.encode_chunk(probe, probe, prepared=store.prepared, params=store.params)
+        self._check_fits(sum(t.numel() * t.element_size() for t in state.values()),
+                         2 * b * h * (self.sinks + self.window + 1) * d * probe.element_size(), b, device)
         buffers = {}
         for name, t in state.items():
             self.rows[name] = t.shape[2]
@@ -90,6 +103,21 @@ class StaticKVStore:
             for t in buffers.values():
                 torch._dynamo.mark_static_address(t)
         self.buffers = buffers
+
+    def _check_fits(self, per_chunk: int, fixed: int, batch: int, device: torch.device) -> None:
+        """Raise a clear error, before allocating, when this layer's buffers and those of the layers after it
+        (taken as the same size) need more than `device` has free: `per_chunk` bytes per encoded chunk slot and
+        `fixed` bytes of full-precision slots per layer."""
+        free = free_bytes(device)
+        layers = 1 + self.layers_after
+        need = layers * ((self.chunks + 1) * per_chunk + fixed)
+        if free is None or need <= free:
+            return
+        fit = max(0, (free // layers - fixed) // per_chunk - 1) * self.chunk
+        raise ValueError(
+            f"max_cache_len={self.capacity} does not fit on {device}: the fixed-capacity buffers of {layers} layers "
+            f"need {need / 2**30:.2f} GiB at batch {batch}, and {free / 2**30:.2f} GiB are free. About {fit} tokens "
+            f"fit at this batch: pass max_cache_len={fit} or less, or a smaller batch.")
 
     def freeze(self, store: KVStore) -> None:
         """Copy `store`'s tokens into the buffers (allocated on first use or when the batch changes), then empty it."""

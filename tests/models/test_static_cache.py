@@ -179,6 +179,31 @@ def test_capacity_overflow_is_a_clear_error():
             model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
 
 
+def test_a_capacity_the_device_cannot_hold_is_refused_with_the_tokens_that_fit(monkeypatch):
+    """Before allocating, the buffers of every layer are checked against the device's free memory (known on CUDA;
+    here stated): too large a capacity is refused with the capacity that fits, and that capacity is accepted."""
+    import torchkv.static_store
+
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    with torchkv.patched(model, "kivi-2bit"):
+        cache = torchkv.new_cache(model, max_cache_len=4096)
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+        need = cache.nbytes()
+        free = need // 3  # a device with a third of what 4,096 tokens take
+        monkeypatch.setattr(torchkv.static_store, "free_bytes", lambda device: free)
+        with pytest.raises(ValueError, match=r"max_cache_len=4096 does not fit on cpu: .* About \d+ tokens fit") as err:
+            model(input_ids=ids, **cache_argument(model, torchkv.new_cache(model, max_cache_len=4096)), use_cache=True)
+        fit = int(str(err.value).split("About ")[1].split(" tokens")[0])
+        assert 0 < fit < 4096 and fit % 32 == 0
+        cache = torchkv.new_cache(model, max_cache_len=fit)  # fits: allocated, and within what is free
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
+        assert cache.nbytes() <= free
+        with pytest.raises(ValueError, match="does not fit"):  # one chunk more does not
+            model(input_ids=ids, **cache_argument(model, torchkv.new_cache(model, max_cache_len=fit + 32)),
+                  use_cache=True)
+
+
 @pytest.mark.parametrize("preset, reason", [
     ("subkv-2bit", "window policy"), ("svdq-1.25bit", "window policy"), ("xquant-2bit", "layer input"),
     ("squat-pre-2bit", "pre-RoPE"),

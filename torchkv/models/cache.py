@@ -38,11 +38,13 @@ class TorchKVLayer(CacheLayerMixin):
         prefill_kernel: str = "auto",
         cross_layer: CrossLayer | None = None,
         max_cache_len: int | None = None,
+        layers_after: int = 0,
     ):
         super().__init__()
         self.store = KVStore(pipeline, layer_idx, rope, cross_layer)
         #: fixed-capacity buffers, which hold the tokens while `frozen` (decode steps), or None
-        self.static = None if max_cache_len is None else StaticKVStore(self.store.pipeline, max_cache_len)
+        self.static = None if max_cache_len is None else StaticKVStore(self.store.pipeline, max_cache_len,
+                                                                        layers_after)
         self.is_compileable = self.static is not None
         self.frozen = False
         self.is_sliding = is_sliding
@@ -202,7 +204,7 @@ class TorchKVCache(Cache):
                 max_cache_len = None
         layers = [
             TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel,
-                         cross_layer, max_cache_len)
+                         cross_layer, max_cache_len, num_layers - 1 - i)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
