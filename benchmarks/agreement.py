@@ -12,6 +12,7 @@ import argparse
 import torch
 from transformers import DynamicCache
 
+from torchkv.models import cache_argument
 import torchkv
 from torchkv.eval.data import documents
 from torchkv.eval.runner import write_benchmark
@@ -31,9 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = torchkv.load_model()
     prompt, long = documents(tokenizer, args.prompt, 1), documents(tokenizer, args.bytes_at, 1)
     settings = {"max_new_tokens": args.new_tokens, "do_sample": False, "min_new_tokens": args.new_tokens}
-    reference = model.generate(prompt, past_key_values=DynamicCache(config=model.config), **settings)[0, args.prompt:]
+    reference = model.generate(prompt, **cache_argument(model, DynamicCache(config=model.config)), **settings)
+    reference = reference[0, args.prompt:]
     full = DynamicCache(config=model.config)
-    model(long, **torchkv.models.cache_argument(model, full))
+    model(long, **cache_argument(model, full))
     full_bytes = cache_nbytes(full)
     rows = []
     print(f"| preset | tokens matching DynamicCache (of {args.new_tokens}) | cache bytes at {args.bytes_at} | vs DynamicCache |")

@@ -37,6 +37,7 @@ def child(row: str, prompt_tokens: int, new_tokens: int, later_tokens: int) -> d
     import torchkv
     from torchkv.eval.data import documents
     from torchkv.eval.rows import method
+    from torchkv.models import cache_argument
 
     model, tokenizer = torchkv.load_model()
     ids = documents(tokenizer, prompt_tokens, 1)
@@ -54,7 +55,7 @@ def child(row: str, prompt_tokens: int, new_tokens: int, later_tokens: int) -> d
         torchkv.patch(model, m.pipeline)
 
     def generate(tokens: int) -> float:
-        passed = {**kwargs, "past_key_values": m.new_cache(model)} if baseline_cache else kwargs
+        passed = {**kwargs, **cache_argument(model, m.new_cache(model))} if baseline_cache else kwargs
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **passed)

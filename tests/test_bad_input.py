@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from torchkv.models import cache_argument
 import torchkv
 from torchkv import KVPipeline
 from torchkv.pipeline import CONFIG_FILE, PARAMS_FILE
@@ -249,7 +250,7 @@ def test_nan_in_the_hidden_states_is_contained_like_the_unpatched_model(model, n
     embeds[0, 60] = float("nan")
     with torch.no_grad():
         reference = model(inputs_embeds=embeds, use_cache=True)
-        step = model(ids[:, 100:], past_key_values=reference.past_key_values).logits
+        step = model(ids[:, 100:], **cache_argument(model, reference.past_key_values)).logits
         pipe = _pipeline(name, model, compile=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -354,7 +355,7 @@ def test_a_cache_made_for_one_model_is_refused_by_another():
         with pytest.raises(ValueError, match="another model"):
             b(ids[:, :1], **torchkv.models.cache_argument(b, cache))
         with pytest.raises(ValueError, match="another model"):
-            b.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=torchkv.new_cache(a),
+            b.generate(ids, attention_mask=torch.ones_like(ids), **cache_argument(b, torchkv.new_cache(a)),
                        max_new_tokens=2, do_sample=False)
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from torchkv.models import cache_argument
 import torchkv
 import torchkv.pipeline
 from torchkv.testing import tiny_model
@@ -18,9 +19,9 @@ def _generate(pipe: torchkv.KVPipeline, steps: int = 40) -> tuple[torch.Tensor, 
     out = []
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model)
-        logits = model(PROMPT, past_key_values=cache).logits
+        logits = model(PROMPT, **cache_argument(model, cache)).logits
         for _ in range(steps):
-            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            logits = model(logits[:, -1:].argmax(-1), **cache_argument(model, cache)).logits
             out.append(logits[0, -1])
     return torch.stack(out), counters["stats"]["unique_graphs"] - start
 

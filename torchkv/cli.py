@@ -126,6 +126,7 @@ def _generate(args) -> None:
 
     import torchkv
     from torchkv.eval.rows import cache_nbytes
+    from torchkv.models import cache_argument
 
     model, tokenizer = torchkv.load_model(args.model)
     messages = [{"role": "user", "content": args.prompt}]
@@ -134,10 +135,10 @@ def _generate(args) -> None:
     kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     reference_cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        reference = model.generate(**inputs, past_key_values=reference_cache, **kwargs)
+        reference = model.generate(**inputs, **cache_argument(model, reference_cache), **kwargs)
         with torchkv.patched(model, args.preset):
             cache = torchkv.new_cache(model)
-            out = model.generate(**inputs, past_key_values=cache, **kwargs)
+            out = model.generate(**inputs, **cache_argument(model, cache), **kwargs)
     name = torchkv.DEFAULT_PRESET if args.preset is None else args.preset
     print(f"[{name}] {tokenizer.decode(out[0, n:], skip_special_tokens=True)}")
     print(f"[full precision] {tokenizer.decode(reference[0, n:], skip_special_tokens=True)}")

@@ -965,8 +965,12 @@ class KVPipeline:
             config = json.loads((path / CONFIG_FILE).read_text())
         except ValueError as err:  # invalid JSON or not UTF-8 (truncated or garbled)
             raise ValueError(f"{path / CONFIG_FILE} is not valid JSON ({err}); {resave}") from err
-        if not isinstance(config, dict) or config.get("format") != "torchkv.KVPipeline" \
-                or config.get("version") != FORMAT_VERSION:
+        if not isinstance(config, dict) or config.get("format") != "torchkv.KVPipeline":
+            raise ValueError(f"{path / CONFIG_FILE} is not a torchkv pipeline config of version {FORMAT_VERSION}")
+        if isinstance(config.get("version"), int) and config["version"] > FORMAT_VERSION:
+            raise ValueError(f"{path / CONFIG_FILE} was written in pipeline format version {config['version']} by a "
+                             f"later torchkv; this one reads version {FORMAT_VERSION}: upgrade torchkv")
+        if config.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path / CONFIG_FILE} is not a torchkv pipeline config of version {FORMAT_VERSION}")
         try:
             pipe = cls.from_config(config)

@@ -13,6 +13,7 @@ from torchkv.eval.report import markdown_table, pareto_points, plots, tuned_curv
 from torchkv.eval.retrieval import cases, retrieval
 from torchkv.eval.rows import cache_nbytes, method
 from torchkv.eval.runner import EvalSettings, run_eval
+from torchkv.models import cache_argument
 
 pytestmark = pytest.mark.model
 
@@ -70,7 +71,7 @@ def test_a_filled_cache_holds_what_a_patched_prefill_stores(smollm2):
     row = method("squat-2bit")
     with row.active(model), torch.no_grad():
         through_model = row.new_cache(model)
-        model(ids, past_key_values=through_model)
+        model(ids, **cache_argument(model, through_model))
     filled = row.filled_cache(model, capture_qkv(model, ids)[1])
     for a, b in zip(through_model.layers, filled.layers):
         held_a, held_b = a.store.tensors(), b.store.tensors()
@@ -87,7 +88,7 @@ def test_cache_bytes_of_baselines(smollm2):
         row = method(name)
         with row.active(model), torch.no_grad():
             cache = row.new_cache(model)
-            model(ids, past_key_values=cache)
+            model(ids, **cache_argument(model, cache))
             sizes[name] = cache_nbytes(cache)
     assert sizes["dynamic"] == 600 * 30 * 2 * 3 * 64 * 4
     assert sizes["quanto-4bit"] < sizes["dynamic"] / 3 and sizes["kivi-4bit"] < sizes["dynamic"] / 2

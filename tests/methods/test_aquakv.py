@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.ops import apply_rope, ridge_streamed
@@ -256,7 +257,7 @@ def test_calibration_on_smollm2_saves_loads_and_beats_no_predictor(smollm2, wiki
         torchkv.models.pipeline_of(model).compile = False  # eager: compiling here is the pipeline tests' job
         cache = torchkv.new_cache(model)
         ids = docs[:, :300]
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
         assert cache.layers[5].store.n_encoded == 300 - 4 - 128 - (300 - 4 - 128) % 32
         assert any(n.startswith("params.") for n in cache.layers[5].store.tensors())  # predictors counted
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.eval.data import documents
@@ -136,12 +137,12 @@ def test_patched_smollm2_generates_through_the_compressed_cache(smollm2, name):
     prompt = documents(tokenizer, 1000, 1)
     with torchkv.patched(model, name), torch.no_grad():
         cache = torchkv.new_cache(model)
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        out = model.generate(prompt, **cache_argument(model, cache), max_new_tokens=12, do_sample=False)
         store = cache.layers[0].store
         assert store.n_encoded >= 960 and any(n.endswith(".updates") for n in store.tensors())
         assert cache.nbytes() == sum(t.untyped_storage().nbytes() for layer in cache.layers
                                      for t in layer.store.tensors().values())
-        logits = model(out[:, -1:], past_key_values=cache).logits
+        logits = model(out[:, -1:], **cache_argument(model, cache)).logits
     reference = model(out).logits[:, -1]
     # a compressed cache at 3 bits per value: the next-token distribution stays close to full precision
     p, p_ref = logits[0, -1].softmax(-1), reference[0].softmax(-1)

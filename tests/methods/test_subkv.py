@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from torchkv.models import cache_argument
 from torchkv.pipeline import KVPipeline
 from torchkv.store import KVStore
 from torchkv.window import DynamicWindow
@@ -135,7 +136,8 @@ def test_generation_on_smollm2_grows_some_windows_within_the_bound(smollm2):
     ids = documents(tokenizer, 600, 1)
     with torchkv.patched(model, "subkv-2bit"):
         cache = torchkv.new_cache(model)
-        tokens = model.generate(ids, past_key_values=cache, max_new_tokens=160, do_sample=False)[0, ids.shape[1] :]
+        tokens = model.generate(ids, **cache_argument(model, cache), max_new_tokens=160, do_sample=False)
+        tokens = tokens[0, ids.shape[1] :]
     reference = model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :]
     limits = [layer.store.window_limit for layer in cache.layers]
     assert any(limit > 32 for limit in limits) and max(limits) <= 128

@@ -7,6 +7,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from torchkv.models import cache_argument
 import torchkv.transforms as T
 from torchkv.methods.svdq import SCHEDULES
 from torchkv.pipeline import KVPipeline
@@ -240,9 +241,10 @@ def test_full_budget_sparse_equals_dense_on_padded_batches_and_sliding_windows(a
                                   ("quarter", "svdq-1.25bit-sparse", {"sparse": 4})):
         with torchkv.patched(model, KVPipeline.from_preset(preset, compile=False, **options)), torch.no_grad():
             cache = torchkv.new_cache(model)
-            model(ids[:, :300], attention_mask=mask[:, :300], past_key_values=cache)
+            model(ids[:, :300], attention_mask=mask[:, :300], **cache_argument(model, cache))
             assert cache.layers[0].store.n_encoded == 256
-            logits[name] = model(ids[:, 300:], attention_mask=mask, past_key_values=cache).logits.log_softmax(-1)
+            logits[name] = model(ids[:, 300:], attention_mask=mask,
+                                 **cache_argument(model, cache)).logits.log_softmax(-1)
     torch.testing.assert_close(logits["full"], logits["dense"], rtol=1e-4, atol=1e-4)
     assert torch.isfinite(logits["quarter"]).all()
 
@@ -280,6 +282,6 @@ def test_smollm2_sparse_attention_with_a_full_budget_is_the_dense_cache(smollm2)
         preset = "svdq-1.25bit" if name == "dense" else "svdq-1.25bit-sparse"
         with torchkv.patched(model, KVPipeline.from_preset(preset, **options)):
             cache = torchkv.new_cache(model)
-            model(ids[:, :560], past_key_values=cache)
-            logits[name] = model(ids[:, 560:], past_key_values=cache).logits[0].log_softmax(-1)
+            model(ids[:, :560], **cache_argument(model, cache))
+            logits[name] = model(ids[:, 560:], **cache_argument(model, cache)).logits[0].log_softmax(-1)
     torch.testing.assert_close(logits["full"], logits["dense"], rtol=1e-3, atol=1e-3)

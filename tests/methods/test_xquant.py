@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.methods.xquant import key_outlier_channels, xquant, xquant_cl
@@ -206,8 +207,8 @@ def test_identity_quantizer_rematerializes_exactly(form, kv_heads, arch, cross_l
             assert pipe.keys.transforms[2].width == 64 < model.config.hidden_size
         cache = torchkv.new_cache(model, simulated=True)
         with torch.no_grad():
-            logits = torch.cat([model(ids[:, :48], past_key_values=cache, use_cache=True).logits,
-                                *[model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits
+            logits = torch.cat([model(ids[:, :48], **cache_argument(model, cache), use_cache=True).logits,
+                                *[model(ids[:, i : i + 1], **cache_argument(model, cache), use_cache=True).logits
                                   for i in range(48, 70)]], 1)
             generated = model.generate(ids[:, :40], max_new_tokens=12, do_sample=False)
         assert cache.layers[0].store.n_encoded == 64  # every whole chunk is stored in its cached form
@@ -254,7 +255,7 @@ def test_auto_picks_mha_or_gqa_from_the_shapes_and_accounts_real_storage():
             assert (bits.keys, bits.values) == (pytest.approx(keys_bits), pytest.approx(values_bits))
             cache = torchkv.new_cache(model)
             with torch.no_grad():
-                model(torch.randint(0, 128, (1, 300)), past_key_values=cache, use_cache=True)
+                model(torch.randint(0, 128, (1, 300)), **cache_argument(model, cache), use_cache=True)
             assert cache.encoded_bits_per_value() == pytest.approx(bits.mean)
 
 
@@ -356,7 +357,7 @@ def test_outlier_channel_is_stored_in_float16():
     with torchkv.patched(model, pipe):
         cache = torchkv.new_cache(model)
         with torch.no_grad():
-            model(torch.randint(0, 128, (1, 300)), past_key_values=cache, use_cache=True)
+            model(torch.randint(0, 128, (1, 300)), **cache_argument(model, cache), use_cache=True)
         store = cache.layers[1].store
         assert store.encoded["k.1.outliers"].dtype == torch.float16 and store.encoded["k.1.outliers"].shape[-1] == 1
 
@@ -380,8 +381,8 @@ def smollm2_errors(smollm2, wiki_eval_text):
         with torchkv.patched(model, KVPipeline.from_preset(name, compile=False)):
             cache = torchkv.new_cache(model)
             with torch.no_grad():
-                model(ids[:, :512], past_key_values=cache, use_cache=True)
-                logits = model(ids[:, 512:], past_key_values=cache, use_cache=True).logits
+                model(ids[:, :512], **cache_argument(model, cache), use_cache=True)
+                logits = model(ids[:, 512:], **cache_argument(model, cache), use_cache=True).logits
             pipe = torchkv.pipeline_of(model)
             out[name] = {"error": float((logits - reference).abs().mean()), "cache_bits": cache.encoded_bits_per_value(),
                          "bits": pipe.bits_per_value(3, 64, layers=30).mean, "form": pipe.options["attention"],
@@ -420,8 +421,8 @@ def test_compiled_equals_eager():
         with torchkv.patched(model, KVPipeline.from_preset("xquant-cl-2bit", token_group=32, compile=compile)):
             cache = torchkv.new_cache(model)
             with torch.no_grad():
-                logits = [model(ids[:, :296], past_key_values=cache, use_cache=True).logits[:, -1]]
-                logits += [model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = [model(ids[:, :296], **cache_argument(model, cache), use_cache=True).logits[:, -1]]
+                logits += [model(ids[:, i : i + 1], **cache_argument(model, cache), use_cache=True).logits[:, -1]
                            for i in range(296, 300)]
             results.append((torch.cat(logits), [layer.store.encoded for layer in cache.layers]))
     (eager, eager_codes), (compiled, compiled_codes) = results

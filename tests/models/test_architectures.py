@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.testing import TINY_ARCHITECTURES, tiny_model
@@ -82,8 +83,8 @@ def test_dtypes(arch, dtype):
         reference = model(input_ids=ids, attention_mask=mask).logits.float()
         with torchkv.patched(model, torchkv.KVPipeline.from_preset("kivi-4bit", residual=8, group=16, compile=False)):
             cache = torchkv.new_cache(model)
-            first = model(input_ids=ids[:, :48], attention_mask=mask[:, :48], past_key_values=cache).logits
-            second = model(input_ids=ids[:, 48:], attention_mask=mask, past_key_values=cache).logits
+            first = model(input_ids=ids[:, :48], attention_mask=mask[:, :48], **cache_argument(model, cache)).logits
+            second = model(input_ids=ids[:, 48:], attention_mask=mask, **cache_argument(model, cache)).logits
     logits = torch.cat([first, second], 1).float()
     assert logits.dtype == torch.float32 and torch.isfinite(logits[1]).all()
     # block 2 attends to a 4-bit history: close to the model, not equal

@@ -42,7 +42,8 @@ def _teacher_forced_logits(model, pipe, prompt, tokens, forbid_history=False, mo
         model(prompt, **cache_argument(model, cache))
         if forbid_history:
             monkeypatch.setattr(KVStore, "history", lambda self: pytest.fail("history reconstructed in decode"))
-        out = [model(tokens[:, i : i + 1], past_key_values=cache).logits[0, -1] for i in range(tokens.shape[1])]
+        out = [model(tokens[:, i : i + 1], **cache_argument(model, cache)).logits[0, -1]
+               for i in range(tokens.shape[1])]
         if forbid_history:
             monkeypatch.undo()
         stored = [t for layer in cache.layers for t in layer.store.tensors().values()]

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.eval.data import documents
@@ -25,11 +26,11 @@ def test_graph_count_does_not_grow_with_generation_length(preset, layers, option
     prompt = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(0))
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model)
-        logits = model(prompt, past_key_values=cache).logits
+        logits = model(prompt, **cache_argument(model, cache)).logits
         graphs = []
         for step in range(1000):
             token = logits[:, -1:].argmax(-1)
-            logits = model(token, past_key_values=cache).logits
+            logits = model(token, **cache_argument(model, cache)).logits
             if step in (150, 999):
                 graphs.append(counters["stats"]["unique_graphs"])
     store = cache.layers[0].store
@@ -89,10 +90,10 @@ def test_compiled_decode_matches_eager_and_never_rebuilds_the_history(smollm2, c
     for p in (reference_pipe, pipe):
         with torchkv.patched(model, p), torch.no_grad():
             cache = torchkv.new_cache(model)
-            model(prompt, past_key_values=cache)
+            model(prompt, **cache_argument(model, cache))
             if p is pipe:
                 monkeypatch.setattr(KVStore, "history", lambda self: pytest.fail("history reconstructed in decode"))
-            steps.append(torch.stack([model(tokens[:, i : i + 1], past_key_values=cache).logits[0, -1]
+            steps.append(torch.stack([model(tokens[:, i : i + 1], **cache_argument(model, cache)).logits[0, -1]
                                       for i in range(tokens.shape[1])]))
             monkeypatch.undo()
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=2e-3)

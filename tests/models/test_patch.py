@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from torchkv.models import cache_argument
 import torchkv
 from torchkv.eval.data import documents, split_text
 from torchkv.testing import tiny_model
@@ -103,8 +104,8 @@ def _second_block_kl(model, ids, preset):
     reference = torch.log_softmax(model(ids).logits[0, 256:], -1)
     with torchkv.patched(model, preset):
         cache = torchkv.new_cache(model)
-        model(ids[:, :256], past_key_values=cache)
-        logits = model(ids[:, 256:], past_key_values=cache).logits[0]
+        model(ids[:, :256], **cache_argument(model, cache))
+        logits = model(ids[:, 256:], **cache_argument(model, cache)).logits[0]
     assert cache.layers[0].store.n_encoded == 512  # block 1 was compressed before block 2 read it
     return float(torch.nn.functional.kl_div(torch.log_softmax(logits, -1), reference, log_target=True, reduction="batchmean"))
 
@@ -129,7 +130,7 @@ def test_cache_bytes_after_generation(smollm2):
     with torchkv.patched(model, "kivi-2bit"):
         cache = torchkv.new_cache(model)
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
-                       past_key_values=cache)
+                       **cache_argument(model, cache))
     assert cache.get_seq_length() == 2047  # the last generated token is never fed back
     held = [t for layer in cache.layers for t in layer.store.tensors().values()]
     assert cache.nbytes() == sum(t.untyped_storage().nbytes() for t in held)
@@ -195,7 +196,7 @@ def test_accelerate_device_map_keeps_each_layer_cache_on_its_device():
     prompt = torch.arange(100, 300)[None]
     with torchkv.patched(model, "kivi-4bit"):
         cache = torchkv.new_cache(model)
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, past_key_values=cache)
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, **cache_argument(model, cache))
     for i, layer in enumerate(cache.layers):
         device = next(model.model.layers[i].parameters()).device
         assert all(t.device == device for t in layer.store.tensors().values())
@@ -224,9 +225,9 @@ def test_a_filled_foreign_cache_is_refused(smollm2, long_prompt):
     ids = long_prompt[:, :50]
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **cache_argument(model, cache))
         with torchkv.patched(model, "kivi-4bit"), pytest.raises(ValueError, match="holding 50 tokens"):
-            model(ids[:, :1], past_key_values=cache)
+            model(ids[:, :1], **cache_argument(model, cache))
 
 
 def test_without_a_cache_the_patched_model_attends_over_its_inputs(smollm2, long_prompt):

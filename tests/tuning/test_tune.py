@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.pipeline import KVPipeline
@@ -74,9 +75,9 @@ def _graphs_for(layer_chains: list, steps: int = 300) -> tuple[int, int]:
     start = counters["stats"]["unique_graphs"]
     with torchkv.patched(model, pipe), torch.no_grad():
         cache = torchkv.new_cache(model)
-        logits = model(IDS[:1, :50], past_key_values=cache).logits
+        logits = model(IDS[:1, :50], **cache_argument(model, cache)).logits
         for step in range(steps):
-            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            logits = model(logits[:, -1:].argmax(-1), **cache_argument(model, cache)).logits
             if step == 100:
                 middle = counters["stats"]["unique_graphs"]
     return counters["stats"]["unique_graphs"] - start, counters["stats"]["unique_graphs"] - middle

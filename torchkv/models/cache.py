@@ -220,7 +220,7 @@ class TorchKVCache(Cache):
             raise ValueError(
                 f"this torchkv cache was made for another model ({type(owner).__name__} at {id(owner):#x}, "
                 f"{len(self.layers)} layers); a cache holds one model's keys and values: pass "
-                "past_key_values=torchkv.new_cache(model) for this one (or nothing)"
+                "torchkv.new_cache(model) for this one (or nothing)"
             )
 
     def nbytes(self) -> int:

@@ -80,7 +80,8 @@ def new_cache(
     model: nn.Module, pipeline: "KVPipeline | str | Path | None" = None, simulated: bool = False,
     max_cache_len: int | None = None,
 ) -> TorchKVCache:
-    """An empty compressed cache for `model` (the patched pipeline by default), to pass as `past_key_values`.
+    """An empty compressed cache for `model` (the patched pipeline by default), to pass as the cache
+    (`**cache_argument(model, cache)`: `cache=` on transformers >= 5.24, `past_key_values=` before).
 
     `simulated` stores new tokens before attending to them; `max_cache_len` makes the cache compileable, with
     fixed-capacity buffers for that many tokens (see `TorchKVCache`)."""
@@ -146,7 +147,7 @@ def _static_length(cache: StaticCache) -> int:
         raise ValueError(
             "every layer of this model attends through a sliding window, so transformers' StaticCache does not "
             "record the generation length, and torchkv keeps every token: pass "
-            "past_key_values=torchkv.new_cache(model, max_cache_len=N) instead of cache_implementation='static'"
+            "torchkv.new_cache(model, max_cache_len=N) as the cache instead of cache_implementation='static'"
         )
     return max(full)
 

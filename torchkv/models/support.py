@@ -51,7 +51,8 @@ def _pipeline(preset: str, model: torch.nn.Module, ids: torch.Tensor) -> KVPipel
 
 def run_cell(preset: str, model_type: str) -> str | None:
     """Generate through `preset` on the family's tiny model: None when it ran with compressed tokens read in
-    every layer, else the refusal's message (`NotImplementedError` or `ValueError`; other errors propagate)."""
+    every layer, else the refusal's message (`NotImplementedError` or `ValueError`); a cell that runs but reads no
+    compressed token or gives non-finite logits raises `RuntimeError` (other errors propagate)."""
     model = tiny_family_model(model_type)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (2, PROMPT), generator=g)
@@ -66,8 +67,10 @@ def run_cell(preset: str, model_type: str) -> str | None:
         return str(err)
     cache = out.past_key_values
     encoded = [layer.store.n_encoded for layer in cache.layers]
-    assert all(n > 0 for n in encoded), f"{preset} on {model_type}: layers read no compressed token ({encoded})"
-    assert all(torch.isfinite(s).all() for s in out.scores), f"{preset} on {model_type}: non-finite logits"
+    if not all(n > 0 for n in encoded):
+        raise RuntimeError(f"{preset} on {model_type}: a layer read no compressed token (tokens encoded: {encoded})")
+    if not all(torch.isfinite(s).all() for s in out.scores):
+        raise RuntimeError(f"{preset} on {model_type}: non-finite logits")
     return None
 
 
