@@ -12,11 +12,11 @@ import argparse
 import torch
 from transformers import DynamicCache
 
-from torchkv.models import cache_argument
 import torchkv
 from torchkv.eval.data import documents
 from torchkv.eval.runner import write_benchmark
 from torchkv.eval.rows import cache_nbytes
+from torchkv.models import cache_argument
 
 
 @torch.no_grad()

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchkv.models import cache_argument
 import torchkv
 from torchkv import KVPipeline
+from torchkv.models import cache_argument
 from torchkv.pipeline import CONFIG_FILE, PARAMS_FILE
 from torchkv.testing import tiny_model
 

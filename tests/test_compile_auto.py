@@ -1,12 +1,13 @@
-"""`compile="auto"`: a function runs eagerly until it has spent its budget of host time, then compiles once."""
+"""`compile="auto"`: a function runs eagerly for a number of calls, then compiles once; which steps run compiled
+depends on the calls, never on the time they took."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from torchkv.models import cache_argument
 import torchkv
 import torchkv.pipeline
+from torchkv.models import cache_argument
 from torchkv.testing import tiny_model
 
 PROMPT = torch.randint(3, 128, (1, 50), generator=torch.Generator().manual_seed(0))
@@ -31,24 +32,25 @@ def _kivi(compile) -> torchkv.KVPipeline:
 
 
 def test_auto_is_the_default_and_a_short_generation_under_the_budget_compiles_nothing(monkeypatch):
-    monkeypatch.setattr(torchkv.pipeline, "EAGER_SECONDS_BEFORE_COMPILE", 1e9)
+    monkeypatch.setattr(torchkv.pipeline, "EAGER_CALLS_BEFORE_COMPILE", 2048)
     pipe = torchkv.KVPipeline.from_preset("kivi-4bit", group=16, residual=16)
     assert pipe.compile == "auto" and pipe.fused
     logits, graphs = _generate(pipe)
     assert graphs == 0 and not pipe._compiled
-    assert pipe._eager_seconds["_attend_decode"] > 0 and pipe._eager_seconds["_encode"] > 0
+    assert pipe._eager_calls["_attend_decode"] == 2 * 40 and pipe._eager_calls["_encode"] > 0  # 2 layers, 40 steps
     expected, _ = _generate(_kivi(False))
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
 
 
-def test_auto_compiles_each_function_once_its_eager_time_reaches_the_budget(monkeypatch):
-    monkeypatch.setattr(torchkv.pipeline, "EAGER_SECONDS_BEFORE_COMPILE", 1e-9)  # the second call compiles
+def test_auto_compiles_each_function_once_its_eager_calls_reach_the_budget(monkeypatch):
+    monkeypatch.setattr(torchkv.pipeline, "EAGER_CALLS_BEFORE_COMPILE", 1)  # the second call compiles
     pipe = _kivi("auto")
     logits, graphs = _generate(pipe)
     assert set(pipe._compiled) == {"_attend_decode", "_encode"} and graphs > 0
-    spent = dict(pipe._eager_seconds)
+    assert pipe._eager_calls == {"_attend_decode": 1, "_encode": 1}
     _, more = _generate(pipe)
-    assert more == 0 and pipe._eager_seconds == spent, "compiled functions went back to eager or recompiled"
+    assert more == 0 and pipe._eager_calls == {"_attend_decode": 1, "_encode": 1}, \
+        "compiled functions went back to eager or recompiled"
     expected, _ = _generate(_kivi(True))
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
 

@@ -4,7 +4,6 @@ import ast
 import dataclasses
 import json
 import math
-import time
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -25,10 +24,12 @@ FORMAT_VERSION = 1
 DEFAULT_PRESET = "kivi-4bit"
 #: compiled code rounds through the stored metadata dtypes exactly as eager does
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
-#: `compile="auto"`: eager run time a function accrues before it is compiled. About what compiling one function costs
-#: with Inductor's on-disk cache warm (2-4 s on 2 CPU cores; 10-20 s cold): a process stops paying the eager price
-#: once it has paid as much as compiling would cost (ski rental), and a short generation never waits for a compile.
-EAGER_SECONDS_BEFORE_COMPILE = 5.0
+#: `compile="auto"`: eager calls of a function before it is compiled (layers that share chains share the count).
+#: A count, not a time, so that whether a step runs compiled (which rounds differently) never depends on the machine's
+#: speed. 2,048 calls are about 5 s of eager decode attention on 2 CPU cores at 1K-4K tokens (1.3-4 ms a call), about
+#: what compiling one function costs with Inductor's disk cache warm: a process stops paying the eager price once it
+#: has paid as much as compiling would cost (ski rental); and a 30-layer model's first 68 steps never wait for a compile.
+EAGER_CALLS_BEFORE_COMPILE = 2048
 #: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
 #: in the value chain, this layer's reconstructed keys ("keys"), both in the chain's carried space (`Chain.carry_index`)
 CROSS_INPUTS = frozenset({"previous", "keys"})
@@ -321,8 +322,8 @@ class KVPipeline:
             keeps every token after the prompt in full precision. None: a full window always flushes.
         compile: run encoding and decode attention through `torch.compile(fullgraph=True)`; decode
             attention then reads packed codes directly when both chains allow it (`fused`). "auto" runs each of
-            those functions eagerly until it has spent `EAGER_SECONDS_BEFORE_COMPILE` (host time) in this process,
-            then compiles it; True compiles at the first call; False never compiles.
+            those functions eagerly for its first `EAGER_CALLS_BEFORE_COMPILE` calls in this process, then
+            compiles it; True compiles at the first call; False never compiles.
         layers: `{layer: (keys, values)}`, the transforms of particular layers instead of `keys`/`values`
             (AQUA-KV stores layer 0, which has no previous layer to predict from, at a higher width; XQuant-CL
             keeps its first layers at 4 bits; `torchkv tune` gives every layer the widths its sensitivity
@@ -369,7 +370,7 @@ class KVPipeline:
         self.name = "custom"
         self.options: dict[str, Any] = {}
         self._compiled: dict[str, Any] = {}
-        self._eager_seconds: dict[str, float] = {}  # `compile="auto"`: host time each function has run eagerly
+        self._eager_calls: dict[str, int] = {}  # `compile="auto"`: eager calls of each function
         self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
         self._layer_pipes: dict[tuple, KVPipeline] = {}  # built by `for_layer`, by chains and window rules
         self._for_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # built by `for_model`
@@ -503,12 +504,10 @@ class KVPipeline:
         fn = getattr(self, name)
         if not self.compile or torch.compiler.is_compiling():  # inside a whole-step graph: traced into it
             return fn(*args)
-        spent = self._eager_seconds.get(name, 0.0)
-        if self.compile == "auto" and name not in self._compiled and spent < EAGER_SECONDS_BEFORE_COMPILE:
-            start = time.perf_counter()
-            out = fn(*args)
-            self._eager_seconds[name] = spent + time.perf_counter() - start
-            return out
+        calls = self._eager_calls.get(name, 0)
+        if self.compile == "auto" and name not in self._compiled and calls < EAGER_CALLS_BEFORE_COMPILE:
+            self._eager_calls[name] = calls + 1
+            return fn(*args)
         if name not in self._compiled:
             # static shapes except the axes callers mark dynamic: automatic dynamic would also generalize
             # axes that differ between pipelines (code widths), which stops Inductor vectorizing
@@ -589,7 +588,11 @@ class KVPipeline:
         qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
         flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
         carry: dict[str, torch.Tensor] = {}
-        if self.keys.scores_stored and not self.carries:
+        # run eagerly (compile="auto" before it compiles), a chain whose stored form is one dequantization away from
+        # the tokens is faster rebuilt for two matmuls than reduced over op by op (kivi-2bit at 4K: 3.1 ms against
+        # 6.4 per layer); a chain with transforms before its reader (rotations) keeps mapping the query instead
+        compiling = torch.compiler.is_compiling()
+        if self.keys.scores_stored and not self.carries and (compiling or self.keys.reader > 0):
             s_enc = self.keys.scores(qg, _sub(encoded, "k."), d, _sub(params, "k."), _sub(prepared, "k."))
         else:  # keys rematerialized (RoPE at each position) or predicted from the previous layer's
             k_enc = self._decode_side("k", self.keys, flat, d, params, prepared, inputs, carry)  # [B, H, T, D]
@@ -602,7 +605,7 @@ class KVPipeline:
             scores = scores.masked_fill(~mask, -math.inf)
         p = torch.softmax(scores, -1)
         p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
-        if self.values.sums_stored:
+        if self.values.sums_stored and (compiling or self.values.reader > 0):
             own = _side_inputs(inputs, "v", carry.get("k")) if self.carries else inputs
             pv, qv = _sub(params, "v."), _sub(prepared, "v.")
             out = self.values.weighted_sum(p_enc, _sub(encoded, "v."), d, pv, qv, own)

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
+from torchkv.models import cache_argument
 from torchkv.ops import apply_rope, ridge_streamed
 from torchkv.pipeline import KVPipeline
 from torchkv.store import CrossLayer, KVStore

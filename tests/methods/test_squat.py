@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.eval.data import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt
+from torchkv.models import cache_argument
 from torchkv.ops import dequantize, quantize
 from torchkv.pipeline import KVPipeline
 from torchkv.testing import rope_tables

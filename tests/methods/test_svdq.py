@@ -7,9 +7,9 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from torchkv.models import cache_argument
 import torchkv.transforms as T
 from torchkv.methods.svdq import SCHEDULES
+from torchkv.models import cache_argument
 from torchkv.pipeline import KVPipeline
 from torchkv.store import KVStore
 from torchkv.transforms import Context

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.methods.xquant import key_outlier_channels, xquant, xquant_cl
+from torchkv.models import cache_argument
 from torchkv.ops import weight_factors
 from torchkv.pipeline import KVPipeline
 from torchkv.store import CrossLayer, KVStore

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
+from torchkv.models import cache_argument
 from torchkv.testing import TINY_ARCHITECTURES, tiny_model
 
 ARCHS = sorted(TINY_ARCHITECTURES)

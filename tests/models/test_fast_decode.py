@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
 from torchkv.eval.data import documents
+from torchkv.models import cache_argument
 from torchkv.store import KVStore
 from torchkv.testing import tiny_model
 

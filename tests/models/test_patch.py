@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from torchkv.models import cache_argument
 import torchkv
 from torchkv.eval.data import documents, split_text
+from torchkv.models import cache_argument
 from torchkv.testing import tiny_model
 
 pytestmark = pytest.mark.model

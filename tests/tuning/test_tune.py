@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from torchkv.models import cache_argument
 import torchkv
 import torchkv.transforms as T
+from torchkv.models import cache_argument
 from torchkv.pipeline import KVPipeline
 from torchkv.testing import tiny_model
 from torchkv.tuning import candidates, measure, tune
