@@ -28,7 +28,7 @@ COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
 #: A count, not a time, so that whether a step runs compiled (which rounds differently) never depends on the machine's
 #: speed. 2,048 calls are about 5 s of eager decode attention on 2 CPU cores at 1K-4K tokens (1.3-4 ms a call), about
 #: what compiling one function costs with Inductor's disk cache warm: a process stops paying the eager price once it
-#: has paid as much as compiling would cost (ski rental); and a 30-layer model's first 68 steps never wait for a compile.
+#: has paid as much as compiling would cost (ski rental); a 30-layer model's first 68 steps never wait for a compile.
 EAGER_CALLS_BEFORE_COMPILE = 2048
 #: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
 #: in the value chain, this layer's reconstructed keys ("keys"), both in the chain's carried space (`Chain.carry_index`)
@@ -589,8 +589,9 @@ class KVPipeline:
         flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
         carry: dict[str, torch.Tensor] = {}
         # run eagerly (compile="auto" before it compiles), a chain whose stored form is one dequantization away from
-        # the tokens is faster rebuilt for two matmuls than reduced over op by op (kivi-2bit at 4K: 3.1 ms against
-        # 6.4 per layer); a chain with transforms before its reader (rotations) keeps mapping the query instead
+        # the tokens is faster rebuilt for two matmuls than reduced over op by op (at 4K tokens, best of 5: kivi-2bit
+        # 3.5 ms against 4.0 per layer, squat-2bit 2.2 against 3.5); a chain with transforms before its reader
+        # (rotations) keeps mapping the query instead
         compiling = torch.compiler.is_compiling()
         if self.keys.scores_stored and not self.carries and (compiling or self.keys.reader > 0):
             s_enc = self.keys.scores(qg, _sub(encoded, "k."), d, _sub(params, "k."), _sub(prepared, "k."))
