@@ -45,10 +45,7 @@ KNOWN_CIRCLES = {
     "torchkv.tuning.candidates", "torchkv.tuning.sensitivity",
 }
 #: (importer, imported module, private name) imported across packages, as of the first version of this test
-KNOWN_PRIVATE = {
-    ("torchkv.tuning", "torchkv.models.calibrate", "_windows"),
-    ("torchkv.tuning.sensitivity", "torchkv.pipeline", "_sub"),
-}
+KNOWN_PRIVATE = {("torchkv.tuning.sensitivity", "torchkv.pipeline", "_sub")}
 
 
 def _module(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""The one place that touches torch internals."""
+"""The one place that touches torch internals, and that papers over differences between library versions."""
 
 import contextlib
 import types
@@ -59,3 +59,8 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
 @materialized.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+def config_head_dim(config) -> int:
+    """A transformers config's attention head size: `head_dim` where the config has it, else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -16,6 +16,12 @@ from torchkv.pipeline import KVPipeline
 RopeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def flushed(held: int, limit: int, chunk: int) -> int:
+    """Tokens a window of `held` tokens encodes when it reaches `limit` (`residual + chunk`): its oldest whole chunks,
+    so that fewer than `limit` stay; 0 below the limit."""
+    return ((held - limit) // chunk + 1) * chunk if held >= limit else 0
+
+
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """`t`, copied if it is a view into a larger storage (which it would otherwise keep alive)."""
     return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
@@ -216,7 +222,7 @@ class KVStore:
         if pipe.window is not None and not pipe.window.compresses_after_prompt and not first:
             flush = 0
         elif pipe.window is None or attention is None or take > 0:
-            flush = ((total - self.window_limit) // pipe.chunk + 1) * pipe.chunk if total >= self.window_limit else 0
+            flush = flushed(total, self.window_limit, pipe.chunk)
         else:
             flush = self._flush_dynamic(n, attention.tolist())
         if flush:

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import torchkv
+from torchkv._compat import config_head_dim
 from torchkv.eval.data import SPLITS, documents
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.retrieval import cases, retrieval
@@ -100,7 +101,7 @@ def _write(path: Path | None, results: dict) -> None:
 def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: dict, progress: bool) -> dict:
     """Measure one row; `scored` holds its retrieval results by context (measured for all rows at once)."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = config_head_dim(config)
     out: dict = {"name": row.name, "kind": row.kind, "config": row.config()}
     if row.tune_report is not None:
         out["tuning"] = row.tune_report
@@ -143,7 +144,7 @@ def run_eval(
             "torchkv": torchkv.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "commit": _commit(), "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
             "values_per_token": 2 * model.config.num_hidden_layers * model.config.num_key_value_heads
-            * (getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads),
+            * config_head_dim(model.config),
             "machine": machine(), "settings": dataclasses.asdict(settings), "reference": REFERENCE,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },

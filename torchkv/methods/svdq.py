@@ -28,7 +28,7 @@ from torchkv.ops import SUPPORTED_BITS, dequantize, masked_pca, quantize
 from torchkv.pipeline import KVPipeline
 from torchkv.registry import register_preset, register_transform
 from torchkv.transforms import Context, Transform, TransformConfig
-from torchkv.transforms.quantizers import META_DTYPES
+from torchkv.transforms.quantizers import META_DTYPES, check_meta_dtype
 from torchkv.window import PromptOnly
 
 #: the paper's schedules (Tables 2 and 4): bits of 8 equal latent-channel groups, by decreasing singular value
@@ -53,8 +53,7 @@ class SvdConfig(TransformConfig):
     def __post_init__(self):
         if not 0 < self.keep <= 1:
             raise ValueError(f"project.svd keep={self.keep!r} must be in (0, 1]")
-        if self.basis_dtype not in META_DTYPES:
-            raise ValueError(f"project.svd basis_dtype={self.basis_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        check_meta_dtype("project.svd", "basis_dtype", self.basis_dtype)
 
 
 @register_transform("project", "svd")
@@ -113,8 +112,7 @@ class ScheduleConfig(TransformConfig):
             raise ValueError(f"quantize.schedule bits={self.bits}: each width must be one of {SUPPORTED_BITS}")
         if self.group < 1:
             raise ValueError(f"quantize.schedule group={self.group} must be a positive integer")
-        if self.meta_dtype not in META_DTYPES:
-            raise ValueError(f"quantize.schedule meta_dtype={self.meta_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        check_meta_dtype("quantize.schedule", "meta_dtype", self.meta_dtype)
 
 
 @register_transform("quantize", "schedule")

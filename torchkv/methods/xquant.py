@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 
 import torchkv.transforms as T
+from torchkv._compat import config_head_dim
 from torchkv.ops import weight_factors
 from torchkv.pipeline import KVPipeline
 from torchkv.registry import register_preset, register_transform
 from torchkv.transforms import Context, ProjectionWeights, Transform, TransformConfig
-from torchkv.transforms.quantizers import META_DTYPES
+from torchkv.transforms.quantizers import META_DTYPES, check_meta_dtype
 
 SIDES = ("k", "v")
 BASES = ("svd", "input")
@@ -63,8 +64,7 @@ class WeightsConfig(TransformConfig):
                              "no outliers")
         if self.outliers < 0:
             raise ValueError(f"project.weights outliers={self.outliers} must be >= 0")
-        if self.basis_dtype not in META_DTYPES:
-            raise ValueError(f"project.weights basis_dtype={self.basis_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        check_meta_dtype("project.weights", "basis_dtype", self.basis_dtype)
 
 
 @register_transform("project", "weights")
@@ -245,7 +245,7 @@ def xquant_cl(
 
 def attention_form(config) -> dict[str, str]:
     """MHA when the keys and values together are twice as wide as X (X is then worth caching), else GQA."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = config_head_dim(config)
     return {"attention": "mha" if config.num_key_value_heads * head_dim == config.hidden_size else "gqa"}
 
 

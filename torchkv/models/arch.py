@@ -1,11 +1,15 @@
 """Per-architecture facts, keyed by `config.model_type`: where the attention modules and the rotary
 embedding live. Method code never branches on the model family; it asks here."""
 
+import contextlib
 import inspect
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from torchkv.store import RopeFn
 
@@ -104,3 +108,23 @@ def sliding_layers(model: nn.Module) -> list[bool]:
     if types is None:  # Mistral-style: one window for every layer, or none
         return [getattr(config, "sliding_window", None) is not None] * config.num_hidden_layers
     return [t == "sliding_attention" for t in types]
+
+
+@contextlib.contextmanager
+def swapped_attention(
+    model: nn.Module, name: str, attention: Callable, pre_hooks: Sequence[tuple[nn.Module, Callable]] = (),
+) -> Iterator[None]:
+    """`model` with its attention computed by `attention` (an `AttentionInterface` function, registered as `name`
+    with SDPA's masks) and each `(module, hook)` forward pre-hook installed (`hook(module, args, kwargs)`); the
+    model's own attention comes back and the hooks go on exit."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True) for module, hook in pre_hooks]
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        for handle in handles:
+            handle.remove()

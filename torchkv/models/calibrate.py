@@ -19,10 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from torchkv._compat import config_head_dim
 from torchkv.models import arch
 from torchkv.ops import apply_rope, ridge_streamed
 from torchkv.ops.attention import attend_dense
@@ -46,7 +45,7 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
         "model_type": config.model_type,
         "layers": config.num_hidden_layers,
         "kv_heads": config.num_key_value_heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "head_dim": config_head_dim(config),
         "config_sha1": digest,
     }
 
@@ -71,8 +70,6 @@ def _recording(model: nn.Module, records: dict) -> Iterator[list[nn.Module]]:
         out, _ = attend_dense(query, key, value, attention_mask, kwargs.get("scaling") or module.scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register(CALIBRATE_NAME, attention)
-    AttentionMaskInterface.register(CALIBRATE_NAME, sdpa_mask)
     layers = list(arch._get(model, arch.arch_of(model).layers))
 
     def hook(i):
@@ -83,18 +80,12 @@ def _recording(model: nn.Module, records: dict) -> Iterator[list[nn.Module]]:
 
         return pre
 
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(CALIBRATE_NAME)
-    try:
+    hooks = [(layer, hook(i)) for i, layer in enumerate(layers)]
+    with arch.swapped_attention(model, CALIBRATE_NAME, attention, hooks):
         yield layers
-    finally:
-        model.set_attn_implementation(previous)
-        for h in handles:
-            h.remove()
 
 
-def _windows(tokenizer, texts, seq_len: int, max_tokens: int) -> torch.Tensor:
+def token_windows(tokenizer, texts, seq_len: int, max_tokens: int) -> torch.Tensor:
     """Non-overlapping windows of `seq_len` tokens of the texts (token ids [N, T] are used as they are)."""
     if isinstance(texts, torch.Tensor):
         ids = texts.long()
@@ -157,7 +148,7 @@ def fit_pipeline(
     if key_predictor is None and value_predictor is None:
         raise ValueError(f"pipeline '{pipe.name}' has nothing to calibrate (no predict transform)")
     start = time.perf_counter()
-    ids = _windows(tokenizer, texts, seq_len, max_tokens).to(next(model.parameters()).device)
+    ids = token_windows(tokenizer, texts, seq_len, max_tokens).to(next(model.parameters()).device)
     batch = min(batch, ids.shape[0])  # one batch size: every layer call replays the first batch's arguments
     batches = list(ids[: ids.shape[0] // batch * batch].split(batch))
     records: dict = {}

@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import Cache
 
+from torchkv._compat import config_head_dim
 from torchkv.models import arch
 from torchkv.models.attention import ATTENTION_NAME, PREFILL_KERNELS, register
 from torchkv.models.calibrate import fingerprint
@@ -54,7 +55,7 @@ def resolve_pipeline(pipeline: "KVPipeline | str | Path | None") -> KVPipeline:
 
 def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
     config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = config_head_dim(config)
     try:  # a dry run on one chunk surfaces shape errors now rather than mid-generation
         pipeline.bits_per_value(config.num_key_value_heads, head_dim, layers=config.num_hidden_layers)
     except ValueError as err:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from torchkv import registry
+from torchkv._compat import config_head_dim
 from torchkv.models import arch
 from torchkv.pipeline import KVPipeline
 from torchkv.transforms import ProjectionWeights
@@ -18,8 +19,7 @@ def projection_weights(model: nn.Module) -> list[ProjectionWeights]:
 
     Key norms after the projection (Qwen3, Gemma 3, OLMo 2) are read as RMS norms (`key_norm`)."""
     config = model.config.get_text_config(decoder=True)
-    kv_width = config.num_key_value_heads * (getattr(config, "head_dim", None)
-                                             or config.hidden_size // config.num_attention_heads)
+    kv_width = config.num_key_value_heads * config_head_dim(config)
     out = []
     for module in arch.attention_modules(model):
         norm = key_norm(module)

@@ -8,7 +8,7 @@ import torch
 from torchkv.ops import weight_factors
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, ProjectionWeights, Transform, TransformConfig
-from torchkv.transforms.quantizers import META_DTYPES
+from torchkv.transforms.quantizers import META_DTYPES, check_meta_dtype
 
 #: what a prediction may read: the previous layer's reconstruction of this chain's tokens, and (value chain)
 #: this layer's reconstructed keys, both in projection space (see `KVPipeline.carries`)
@@ -27,8 +27,7 @@ class LinearPredictConfig(TransformConfig):
         object.__setattr__(self, "sources", tuple(self.sources))
         if not self.sources or set(self.sources) - set(SOURCES) or len(set(self.sources)) < len(self.sources):
             raise ValueError(f"predict.linear sources={self.sources!r}: distinct names among {SOURCES}")
-        if self.weight_dtype not in META_DTYPES:
-            raise ValueError(f"predict.linear weight_dtype={self.weight_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        check_meta_dtype("predict.linear", "weight_dtype", self.weight_dtype)
 
 
 @register_transform("predict", "linear")
@@ -85,8 +84,7 @@ class DeltaConfig(TransformConfig):
     basis_dtype: str = "float16"
 
     def __post_init__(self):
-        if self.basis_dtype not in META_DTYPES:
-            raise ValueError(f"predict.delta basis_dtype={self.basis_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        check_meta_dtype("predict.delta", "basis_dtype", self.basis_dtype)
 
 
 @register_transform("predict", "delta")

@@ -35,6 +35,14 @@ AXES = ("token", "channel")
 SPANS = ("head", "token")
 META_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def check_meta_dtype(owner: str, option: str, value: str) -> None:
+    """Raise a clear error unless `value`, option `option` of transform `owner`, names a dtype of `META_DTYPES`."""
+    if value not in META_DTYPES:
+        raise ValueError(f"{owner} {option}={value!r}; allowed: {sorted(META_DTYPES)}")
+
+
 CAST_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -66,8 +74,7 @@ class UniformConfig(TransformConfig):
         if (self.group is None and self.axis != "token") or (self.group is not None and self.group < 1):
             raise ValueError(f"quantize.uniform group={self.group} must be a positive integer (or None: a token's "
                              "whole row, with axis='token')")
-        if self.meta_dtype not in META_DTYPES:
-            raise ValueError(f"quantize.uniform meta_dtype={self.meta_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        check_meta_dtype("quantize.uniform", "meta_dtype", self.meta_dtype)
         if self.step not in STEPS or (self.step == "gaussian" and not self.symmetric):
             raise ValueError(f"quantize.uniform step={self.step!r}; allowed: {STEPS} ('gaussian' needs symmetric=True)")
 
@@ -167,8 +174,7 @@ class HiggsConfig(TransformConfig):
             raise ValueError(f"quantize.higgs bits={self.bits}, dim={self.dim} has no shipped grid; allowed: {allowed}")
         if self.span not in SPANS:
             raise ValueError(f"quantize.higgs span={self.span!r} is not supported; allowed: {SPANS}")
-        if self.scale_dtype not in META_DTYPES:
-            raise ValueError(f"quantize.higgs scale_dtype={self.scale_dtype!r}; allowed: {sorted(META_DTYPES)}")
+        check_meta_dtype("quantize.higgs", "scale_dtype", self.scale_dtype)
 
 
 @register_transform("quantize", "higgs")

@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 
+from torchkv._compat import config_head_dim
 from torchkv.eval.memory import peak_rss, reset_peak
 from torchkv.pipeline import KVPipeline
 from torchkv.tuning.allocate import allocate
@@ -40,7 +41,7 @@ def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
 def reachable(pipe: KVPipeline, model) -> tuple[float, float]:
     """Least and most stored bits per value (mean over layers, keys and values) the candidates reach on `model`."""
     config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = config_head_dim(config)
     per_group: dict[int, dict[str, list[Candidate]]] = {}
     low = high = 0.0
     for i in range(config.num_hidden_layers):
@@ -108,13 +109,13 @@ def tune(
         the tuned pipeline (marked as tuned for `model`, `KVPipeline.tuned_for`) and a report: the choice per
         layer, measured bits, predicted KL, the sensitivity table, tokens, seconds and peak resident memory.
     """
-    from torchkv.models.calibrate import _windows
+    from torchkv.models.calibrate import token_windows
 
     started = time.perf_counter()
     resettable = reset_peak()
     pipe = check_tunable(pipe, model)
     check_budget(budget, *reachable(pipe, model))
-    ids = _windows(tokenizer, texts, seq_len, max_tokens)
+    ids = token_windows(tokenizer, texts, seq_len, max_tokens)
     sensitivity = measure(pipe, model, ids, batch=batch, progress=progress)
     tuned, report = _tuned(sensitivity, model, budget)
     report.update(seconds=time.perf_counter() - started, peak_rss_mib=peak_rss() / 2**20,
@@ -145,13 +146,13 @@ def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32
     """`measure` on `tokens` of the Wikipedia calibration split in 1,024-token windows, once per model and
     starting pipeline (a sweep of budgets costs one measurement)."""
     from torchkv.eval.data import split_articles
-    from torchkv.models.calibrate import _windows
+    from torchkv.models.calibrate import token_windows
 
     pipe = check_tunable(pipe, model)
     key = json.dumps([pipe.config(), tokens], sort_keys=True, default=str)
     measured = _MEASURED.setdefault(model, {})
     if key not in measured:
-        ids = _windows(tokenizer, [text for _, text in split_articles("calibration")], 1024, tokens)
+        ids = token_windows(tokenizer, [text for _, text in split_articles("calibration")], 1024, tokens)
         measured[key] = measure(pipe, model, ids, progress=progress)
     return measured[key]
 

@@ -20,12 +20,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from torchkv._compat import config_head_dim
 from torchkv.models import arch
 from torchkv.pipeline import KVPipeline, _sub
+from torchkv.store import flushed
 from torchkv.tuning.candidates import Candidate, candidates, tuned_chunk
 
 TUNE_NAME = "torchkv_tune"
@@ -67,23 +67,16 @@ def _probed(model: nn.Module, probes: dict[int, Probe]) -> Iterator[None]:
 
         return pre
 
-    AttentionInterface.register(TUNE_NAME, attention)
-    AttentionMaskInterface.register(TUNE_NAME, sdpa_mask)
-    handles = [m.register_forward_pre_hook(record_input(i), with_kwargs=True)
-               for i, m in enumerate(arch.attention_modules(model))]
     frozen = [(p, p.requires_grad) for p in model.parameters()]
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(TUNE_NAME)
-    try:
-        for p, _ in frozen:
-            p.requires_grad_(False)
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-        for p, flag in frozen:
-            p.requires_grad_(flag)
-        for h in handles:
-            h.remove()
+    hooks = [(m, record_input(i)) for i, m in enumerate(arch.attention_modules(model))]
+    with arch.swapped_attention(model, TUNE_NAME, attention, hooks):
+        try:
+            for p, _ in frozen:
+                p.requires_grad_(False)
+            yield
+        finally:
+            for p, flag in frozen:
+                p.requires_grad_(flag)
 
 
 @dataclasses.dataclass
@@ -108,9 +101,7 @@ class Sensitivity:
 def _flush_span(pipe: KVPipeline, tokens: int) -> tuple[int, int]:
     """Token range [start, end) of a `tokens`-token prompt that the cache stores encoded (`KVStore.append`)."""
     total = tokens - min(pipe.sinks, tokens)
-    limit = pipe.residual + pipe.chunk
-    flush = ((total - limit) // pipe.chunk + 1) * pipe.chunk if total >= limit else 0
-    return tokens - total, tokens - total + flush
+    return tokens - total, tokens - total + flushed(total, pipe.residual + pipe.chunk, pipe.chunk)
 
 
 def _reconstruct(pipe: KVPipeline, layer: int, probe: Probe, span: tuple[int, int], inputs: dict,
@@ -205,7 +196,7 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
     started = time.perf_counter()
     config = model.config.get_text_config(decoder=True)
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = config_head_dim(config)
     per_group: dict[int, dict[str, list[Candidate]]] = {}
     options = [per_group.setdefault(id(pipe.for_layer(i)), candidates(pipe.for_layer(i), kv_heads, head_dim))
                for i in range(layers)]
