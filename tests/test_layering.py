@@ -22,7 +22,6 @@ FACADE = 8
 KNOWN_UPWARD = {
     ("torchkv.eval.long_context", "torchkv"),
     ("torchkv.eval.runner", "torchkv"),
-    ("torchkv.models.patch", "torchkv.models.calibrate"),
     ("torchkv.models.support", "torchkv"),
     ("torchkv.models.support", "torchkv.testing"),
     ("torchkv.models.weights", "torchkv"),

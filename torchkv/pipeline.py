@@ -904,7 +904,7 @@ class KVPipeline:
 
         Args:
             num_layers: decoder layers of the model the cache is for.
-            fingerprint: `torchkv.models.calibrate.fingerprint(model)` of that model.
+            fingerprint: `torchkv.models.arch.fingerprint(model)` of that model.
         """
         if self.tuned_for is not None and self.tuned_for != fingerprint:
             raise ValueError(f"pipeline '{self.name}' was tuned for another model "

@@ -204,10 +204,10 @@ def test_presets_need_calibration_for_this_model_and_say_how(smollm2):
     with pytest.raises(ValueError, match="uncalibrated.*torchkv calibrate"):
         torchkv.patch(model, "aquakv-2bit")
     pipe = KVPipeline.from_preset("aquakv-2bit")
-    pipe.fitted_for = {**torchkv.models.calibrate.fingerprint(model), "kv_heads": 8}
+    pipe.fitted_for = {**torchkv.models.arch.fingerprint(model), "kv_heads": 8}
     with pytest.raises(ValueError, match="calibrated for another model.*kv_heads"):
         torchkv.patch(model, pipe)
-    pipe.fitted_for = torchkv.models.calibrate.fingerprint(model)
+    pipe.fitted_for = torchkv.models.arch.fingerprint(model)
     with pytest.raises(ValueError, match="no fitted parameters for layers"):
         torchkv.patch(model, pipe)
     assert [p["name"] for p in torchkv.presets() if p["calibrate"]] == ["aquakv-2bit", "aquakv-2bit-keys", "aquakv-3bit"]

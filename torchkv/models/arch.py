@@ -2,15 +2,19 @@
 embedding live. Method code never branches on the model family; it asks here."""
 
 import contextlib
+import hashlib
 import inspect
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from torchkv._compat import config_head_dim
 from torchkv.store import RopeFn
 
 
@@ -128,3 +132,25 @@ def swapped_attention(
         model.set_attn_implementation(previous)
         for handle in handles:
             handle.remove()
+
+
+#: config fields that decide the shapes and the meaning of a model's keys and values
+_FINGERPRINT_FIELDS = (
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "max_position_embeddings", "tie_word_embeddings",
+)
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What a calibration is valid for: the model type, its KV shapes and a hash of its architecture config."""
+    config = model.config.get_text_config(decoder=True)
+    fields = {name: getattr(config, name, None) for name in _FINGERPRINT_FIELDS}
+    digest = hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {
+        "model_type": config.model_type,
+        "layers": config.num_hidden_layers,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": config_head_dim(config),
+        "config_sha1": digest,
+    }

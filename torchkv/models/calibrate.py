@@ -8,8 +8,6 @@ produce the reconstructions the next layer is fitted on — the same arithmetic 
 """
 
 import contextlib
-import hashlib
-import json
 import math
 import resource
 import time
@@ -21,33 +19,12 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from torchkv._compat import config_head_dim
 from torchkv.models import arch
 from torchkv.ops import apply_rope, ridge_streamed
 from torchkv.ops.attention import attend_dense
 from torchkv.pipeline import KVPipeline
 
 CALIBRATE_NAME = "torchkv_calibrate"
-#: config fields that decide the shapes and the meaning of a model's keys and values
-_FINGERPRINT_FIELDS = (
-    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "rope_parameters",
-    "max_position_embeddings", "tie_word_embeddings",
-)
-
-
-def fingerprint(model: nn.Module) -> dict[str, Any]:
-    """What a calibration is valid for: the model type, its KV shapes and a hash of its architecture config."""
-    config = model.config.get_text_config(decoder=True)
-    fields = {name: getattr(config, name, None) for name in _FINGERPRINT_FIELDS}
-    digest = hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {
-        "model_type": config.model_type,
-        "layers": config.num_hidden_layers,
-        "kv_heads": config.num_key_value_heads,
-        "head_dim": config_head_dim(config),
-        "config_sha1": digest,
-    }
 
 
 class _Stop(Exception):
@@ -178,7 +155,7 @@ def fit_pipeline(
                 k_post, v = records.pop(("kv", layer_idx))
                 kv.append((k_post.float(), v.float()))
             carry = _fit_layer(pipe, layer_idx, kv, carry, (cos, sin), key_predictor, value_predictor, alpha, report)
-    pipe.fitted_for = fingerprint(model)
+    pipe.fitted_for = arch.fingerprint(model)
     report["seconds"] = time.perf_counter() - start
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report

@@ -21,7 +21,6 @@ from transformers.cache_utils import Cache
 from torchkv._compat import config_head_dim
 from torchkv.models import arch
 from torchkv.models.attention import ATTENTION_NAME, PREFILL_KERNELS, register
-from torchkv.models.calibrate import fingerprint
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.parallel import check_tensor_parallel
 from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
@@ -62,7 +61,7 @@ def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
         options = f"; its options: {pipeline.options}" if pipeline.options else ""
         raise ValueError(f"pipeline '{pipeline.name}' cannot encode this model's keys and values (head_dim {head_dim}, "
                          f"hidden {config.hidden_size}): {err}{options}") from err
-    pipeline.check_fitted(config.num_hidden_layers, fingerprint(model))
+    pipeline.check_fitted(config.num_hidden_layers, arch.fingerprint(model))
     window = getattr(config, "sliding_window", None)
     if any(arch.sliding_layers(model)) and window is not None and window <= pipeline.residual + pipeline.chunk:
         fix = (
@@ -95,7 +94,7 @@ def new_cache(
         pipe = pipe.for_model(model)
     config = model.config.get_text_config(decoder=True)
     if state is None or pipe is not state.pipeline:
-        pipe.check_fitted(config.num_hidden_layers, fingerprint(model))
+        pipe.check_fitted(config.num_hidden_layers, arch.fingerprint(model))
     rope = None
     if {"cos", "sin"} & pipe.requires:
 

@@ -29,7 +29,7 @@ __all__ = ["CANDIDATE_BITS", "Candidate", "Sensitivity", "candidates", "measure"
 
 def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
     """`pipe` for `model`, calibrated for it; a clear error where it must be calibrated first."""
-    from torchkv.models.calibrate import fingerprint
+    from torchkv.models.arch import fingerprint
 
     pipe = pipe.for_model(model)
     config = model.config.get_text_config(decoder=True)
@@ -124,7 +124,7 @@ def tune(
 
 
 def _tuned(sensitivity: Sensitivity, model, budget: float) -> tuple[KVPipeline, dict[str, Any]]:
-    from torchkv.models.calibrate import fingerprint
+    from torchkv.models.arch import fingerprint
 
     tuned, report = tuned_pipeline(sensitivity, budget)
     tuned.tuned_for = fingerprint(model)
