@@ -199,9 +199,19 @@ def test_a_capacity_the_device_cannot_hold_is_refused_with_the_tokens_that_fit(m
         cache = torchkv.new_cache(model, max_cache_len=fit)  # fits: allocated, and within what is free
         model(input_ids=ids, **cache_argument(model, cache), use_cache=True)
         assert cache.nbytes() <= free
+        assert [layer.static.layers_after for layer in cache.layers] == [1, 0]
         with pytest.raises(ValueError, match="does not fit"):  # one chunk more does not
             model(input_ids=ids, **cache_argument(model, torchkv.new_cache(model, max_cache_len=fit + 32)),
                   use_cache=True)
+
+
+def test_the_capacity_check_counts_the_later_layers_on_each_device():
+    """A model spread over devices: each layer's check counts only the layers after it on its own device."""
+    from torchkv.models.cache import TorchKVCache
+
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    cache = TorchKVCache(torchkv.KVPipeline.from_preset("kivi-2bit"), 5, max_cache_len=256, devices=[a, a, b, a, b])
+    assert [layer.static.layers_after for layer in cache.layers] == [2, 1, 1, 0, 0]
 
 
 @pytest.mark.parametrize("preset, reason", [

@@ -177,6 +177,8 @@ class TorchKVCache(Cache):
         prefill_kernel: multi-token attention kernel, one of `attention.PREFILL_KERNELS`.
         max_cache_len: the most tokens a layer will hold. Given, decode steps run on fixed-capacity buffers and
             the cache `is_compileable` (a pipeline that cannot says why, with a warning, and keeps growing stores).
+        devices: per layer, the device its keys and values will be on (a model spread over devices), so that a
+            layer's capacity check counts only the later layers on its device; None: one device.
     """
 
     def __init__(
@@ -188,6 +190,7 @@ class TorchKVCache(Cache):
         simulated: bool = False,
         prefill_kernel: str = "auto",
         max_cache_len: int | None = None,
+        devices: list[torch.device] | None = None,
     ):
         if prefill_kernel not in PREFILL_KERNELS:
             raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
@@ -202,9 +205,10 @@ class TorchKVCache(Cache):
                               f"the whole decode step cannot be compiled: {'; '.join(sorted(reasons))}. It decodes with "
                               "per-layer compiled attention instead.", stacklevel=2)
                 max_cache_len = None
+        devices = devices or [None] * num_layers
         layers = [
             TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel,
-                         cross_layer, max_cache_len, num_layers - 1 - i)
+                         cross_layer, max_cache_len, devices[i + 1 :].count(devices[i]))
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)

@@ -102,8 +102,9 @@ def new_cache(
             return arch.rope_fn(model, layer_idx)
 
     kernel = "auto" if state is None else state.prefill_kernel
-    cache = TorchKVCache(
-        pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel, max_cache_len)
+    devices = [getattr(next(m.parameters(), None), "device", None) for m in arch.attention_modules(model)]
+    cache = TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel,
+                         max_cache_len, devices)
     cache.model = weakref.ref(model)
     return cache
 
