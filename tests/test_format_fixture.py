@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import torchkv
 from torchkv.pipeline import CONFIG_FILE, PARAMS_FILE
-from torchkv.testing import tiny_model
+from torchkv.testing import rope_tables, tiny_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "pipelines_v1"
 #: folder -> preset spelling; the fitted ones are calibrated on a tiny model's random tokens (AQUA-KV: per-layer
@@ -33,10 +33,8 @@ def round_trip(pipe: torchkv.KVPipeline) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer 0's decode of its encoding of `chunk_of(pipe)` (prepared on the same tokens where the pipeline needs)."""
     k, v = chunk_of(pipe)
     g = torch.Generator().manual_seed(2)
-    angle = torch.arange(pipe.chunk)[:, None] * 10000.0 ** (-torch.arange(16) / 16)  # RoPE of positions 0..T-1
     inputs = {"x": torch.randn(1, pipe.chunk, 128, generator=g),
-              "queries": torch.randn(1, 4, pipe.chunk, 32, generator=g),
-              "cos": torch.cat([angle.cos()] * 2, -1)[None], "sin": torch.cat([angle.sin()] * 2, -1)[None]}
+              "queries": torch.randn(1, 4, pipe.chunk, 32, generator=g), **rope_tables(1, pipe.chunk, 32)}
     needed = set(pipe.requires) | ({"queries"} if pipe.needs_prepare else set())
     inputs = {name: t for name, t in inputs.items() if name in needed}
     prepared = pipe.prepare(k, v, inputs=inputs) if pipe.needs_prepare else None

@@ -595,7 +595,7 @@ class KVPipeline:
         compiling = torch.compiler.is_compiling()
         if self.keys.scores_stored and not self.carries and (compiling or self.keys.reader > 0):
             s_enc = self.keys.scores(qg, _sub(encoded, "k."), d, _sub(params, "k."), _sub(prepared, "k."))
-        else:  # keys rematerialized (RoPE at each position) or predicted from the previous layer's
+        else:  # keys rebuilt: run eagerly, rematerialized (RoPE at each position) or predicted across layers
             k_enc = self._decode_side("k", self.keys, flat, d, params, prepared, inputs, carry)  # [B, H, T, D]
             s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (encoded["k.out"].shape[2], -1))
         nc, c = s_enc.shape[-2:]
