@@ -35,7 +35,7 @@ import torchkv
 from torchkv.eval.decode_report import _table
 from torchkv.eval.rows import STATIC_BASELINE, cache_nbytes, method
 from torchkv.eval.runner import _write, machine
-from torchkv.eval.speed import WARM_STEPS, _compiled_at_first_call, _warm_lengths, sync
+from torchkv.eval.speed import WARM_STEPS, _compiled_at_first_call, sync, warm_lengths
 from torchkv.models import cache_argument
 from torchkv.ops import triton_decode
 
@@ -150,10 +150,10 @@ def _timed(device: torch.device, fn):
 
 
 def warm_up(model, row, batch: int) -> None:
-    """Untimed runs on two short prompts (`speed._warm_lengths`), each fed in two chunks, then `WARM_STEPS` decode
+    """Untimed runs on two short prompts (`speed.warm_lengths`), each fed in two chunks, then `WARM_STEPS` decode
     steps for rows not compiled whole (their whole-step graphs depend on the capacity): a graph compiled for the first
     run's sizes is recompiled size-generic for the second, so the timed prefill and steps reuse the per-layer graphs."""
-    for length in _warm_lengths(row):
+    for length in warm_lengths(row):
         cache = row.new_cache(model, max_cache_len=length + WARM_STEPS)
         ids = random_ids(batch, length, model.config.vocab_size, model.device, seed=length)
         logits = prefill(model, cache, ids, -(-length // 2))

@@ -66,3 +66,13 @@ def test_cells_parse_and_the_fp16_limit_counts_the_bytes_a_step_reads():
     assert next(model.parameters()).dtype == torch.bfloat16 and model.config._attn_implementation == "sdpa"
     params = sum(p.numel() for p in model.parameters())
     assert gpu_decode.weight_bytes_read(model) == 2 * params  # tied embeddings: the table is read by the head
+
+
+def test_a_prompt_fed_in_chunks_compiles_nothing_in_its_timed_prefill(monkeypatch):
+    """The warm-up runs a prompt piece over encoded history (what every chunk after a long prompt's first does), so the
+    timed prefill of a long prompt reuses its graphs: a graph compiled there would be timed as prefill."""
+    monkeypatch.setattr(gpu_decode, "PREFILL_CHUNK", 128)
+    model = gpu_decode.build_model("tiny", torch.device("cpu"), torch.float32)
+    row = gpu_decode.measure_row(model, "kivi-2bit", batch=1, context=512, steps=1, warmup=1)
+    assert row["prefill_chunk"] == 128
+    assert row["graphs_compiled"]["prefill"] == 0, row["graphs_compiled"]

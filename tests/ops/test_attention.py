@@ -1,7 +1,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from torchkv.models.attention import grouped_as_query_heads
 from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
 
 
@@ -41,3 +44,17 @@ def test_flex_prefill_matches_sdpa(q_len, kv_len):
     mask = torch.arange(kv_len)[None] <= torch.arange(q_len)[:, None] + (kv_len - q_len)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(kv_heads=st.integers(1, 4), groups=st.integers(1, 4), n=st.integers(1, 9))
+def test_heads_grouped_as_query_heads_match_enable_gqa(kv_heads, groups, n):
+    """SDPA's masked path on CUDA repeats KV heads instead of `enable_gqa` (which has no fused kernel with a mask):
+    the repeated heads give the same attention."""
+    hq = kv_heads * groups
+    q, k, v = torch.randn(2, hq, 3, 8), torch.randn(2, kv_heads, n, 8), torch.randn(2, kv_heads, n, 8)
+    mask = torch.rand(2, 1, 3, n) > 0.3
+    mask[..., 0] = True
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, grouped_as_query_heads(k, hq), grouped_as_query_heads(v, hq), attn_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -50,14 +50,17 @@ def _run(
     return times[0] - t0, times[1] - times[0], times[2] - times[1], cache
 
 
-def _warm_lengths(method: Method) -> tuple[int, int]:
-    """Prompt lengths of the untimed runs (torchkv rows): 2 and 3 encoded chunks, and a window one token short of
-    full, so that their first decode step encodes a chunk from the window (a graph of its own)."""
+def warm_lengths(method: Method) -> tuple[int, int]:
+    """Prompt lengths of the untimed runs (torchkv rows): whole chunks past a window one token short of full, so that
+    their first decode step encodes a chunk from the window (a graph of its own), and long enough that each half of
+    them already encodes a chunk: a prompt fed in two pieces then compiles the second piece's attention over encoded
+    history (a prefill in chunks runs it) for two sizes, size-generic."""
     pipe = method.pipeline
     if pipe is None:
         return 192, 256
     start = pipe.sinks + pipe.residual + pipe.chunk - 1
-    return start + 2 * pipe.chunk, start + 3 * pipe.chunk
+    chunks = max(2, -(-(start + 2) // pipe.chunk))  # ceil(length / 2) > start
+    return start + chunks * pipe.chunk, start + (chunks + 1) * pipe.chunk
 
 
 @contextlib.contextmanager
@@ -96,7 +99,7 @@ def generation_profile(
     ids = stream[: batch * context].view(batch, context).to(device)
     capacity = context + WARM_STEPS + new_tokens
     with _compiled_at_first_call(method.pipeline), method.active(model):
-        for warm in _warm_lengths(method):
+        for warm in warm_lengths(method):
             _run(model, method, ids[:, :warm], 2, capacity)
         prefills = [_run(model, method, ids, 0, capacity)[0] for _ in range(prefill_runs - 1)]
         start_rss = memory.current_rss()
