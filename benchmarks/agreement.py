@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.runner import write_benchmark
 from torchkv.eval.rows import cache_nbytes
 from torchkv.models import cache_argument

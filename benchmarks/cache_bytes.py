@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.rows import method
 from torchkv.eval.runner import write_benchmark
 

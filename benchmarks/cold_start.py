@@ -35,7 +35,7 @@ def child(row: str, prompt_tokens: int, new_tokens: int, later_tokens: int) -> d
     from transformers import CompileConfig
 
     import torchkv
-    from torchkv.eval.data import documents
+    from torchkv.corpora import documents
     from torchkv.eval.rows import method
     from torchkv.models import cache_argument
 

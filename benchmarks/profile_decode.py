@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torchkv
-from torchkv.eval.data import token_stream
+from torchkv.corpora import token_stream
 from torchkv.eval.rows import method
 
 

@@ -14,7 +14,7 @@ import argparse
 
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt
 from torchkv.eval.rows import method
 from torchkv.eval.runner import write_benchmark

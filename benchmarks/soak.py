@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--presets", default="kivi-2bit,frontier-2bit")
     parser.add_argument("--out", default="benchmarks/results/soak.json")
     args = parser.parse_args()
-    from torchkv.eval.data import documents
+    from torchkv.corpora import documents
 
     before_model = rss_bytes()  # the process with torch and transformers imported, before the model exists
     model, tokenizer = torchkv.load_model()

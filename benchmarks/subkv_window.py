@@ -15,7 +15,7 @@ import time
 import torch
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.rows import method
 from torchkv.eval.runner import write_benchmark
 

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.reconstruction import key_rel_error, per_channel_keys
 from torchkv.eval.runner import write_benchmark
 from torchkv.models.arch import rope_fn

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.runner import write_benchmark
 from torchkv.models.loader import model_path
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.rows import Method, method
 from torchkv.eval.runner import machine
 from torchkv.pipeline import KVPipeline
-from torchkv.tuning import calibration_sensitivity, tuned_pipeline
-from torchkv.tuning.candidates import tuned_chunk
-from torchkv.tuning.sensitivity import Sensitivity
+from torchkv.fitting.tuning import calibration_sensitivity, tuned_pipeline
+from torchkv.fitting.tuning.candidates import tuned_chunk
+from torchkv.fitting.tuning.sensitivity import Sensitivity
 
 
 @torch.no_grad()

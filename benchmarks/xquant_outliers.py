@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.runner import write_benchmark
 from torchkv.methods.xquant import key_outlier_channels
 from torchkv.models.capture import capture_qkv

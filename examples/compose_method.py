@@ -8,7 +8,7 @@ import argparse
 
 import torchkv
 import torchkv.transforms as T
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.rows import method
 

@@ -10,7 +10,7 @@ import argparse
 import torch
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.rows import method
 

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 import torchkv
-from torchkv.eval.data import split_text
+from torchkv.corpora import split_text
 from torchkv.eval.rows import cache_nbytes
 
 

@@ -10,7 +10,7 @@ import argparse
 import torch
 
 import torchkv
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt
 from torchkv.models.capture import capture_qkv
 

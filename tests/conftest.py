@@ -24,7 +24,7 @@ def compile_auto_at_first_call(monkeypatch):
     compiled path they were written for; `tests/test_compile_auto.py` tests the deferral itself."""
     import torchkv.pipeline
 
-    monkeypatch.setattr(torchkv.pipeline, "EAGER_CALLS_BEFORE_COMPILE", 0)
+    monkeypatch.setattr(torchkv.pipeline.codec, "EAGER_CALLS_BEFORE_COMPILE", 0)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +38,6 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def wiki_eval_text():
-    from torchkv.eval.data import split_text
+    from torchkv.corpora import split_text
 
     return split_text("eval")

@@ -32,24 +32,24 @@ def _kivi(compile) -> torchkv.KVPipeline:
 
 
 def test_auto_is_the_default_and_a_short_generation_under_the_budget_compiles_nothing(monkeypatch):
-    monkeypatch.setattr(torchkv.pipeline, "EAGER_CALLS_BEFORE_COMPILE", 2048)
+    monkeypatch.setattr(torchkv.pipeline.codec, "EAGER_CALLS_BEFORE_COMPILE", 2048)
     pipe = torchkv.KVPipeline.from_preset("kivi-4bit", group=16, residual=16)
     assert pipe.compile == "auto" and pipe.fused
     logits, graphs = _generate(pipe)
-    assert graphs == 0 and not pipe._compiled
-    assert pipe._eager_calls["_attend_decode"] == 2 * 40 and pipe._eager_calls["_encode"] > 0  # 2 layers, 40 steps
+    assert graphs == 0 and not pipe.codec.compiled
+    assert pipe.codec.eager_calls["attend"] == 2 * 40 and pipe.codec.eager_calls["encode"] > 0  # 2 layers, 40 steps
     expected, _ = _generate(_kivi(False))
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
 
 
 def test_auto_compiles_each_function_once_its_eager_calls_reach_the_budget(monkeypatch):
-    monkeypatch.setattr(torchkv.pipeline, "EAGER_CALLS_BEFORE_COMPILE", 1)  # the second call compiles
+    monkeypatch.setattr(torchkv.pipeline.codec, "EAGER_CALLS_BEFORE_COMPILE", 1)  # the second call compiles
     pipe = _kivi("auto")
     logits, graphs = _generate(pipe)
-    assert set(pipe._compiled) == {"_attend_decode", "_encode"} and graphs > 0
-    assert pipe._eager_calls == {"_attend_decode": 1, "_encode": 1}
+    assert set(pipe.codec.compiled) == {"attend", "encode"} and graphs > 0
+    assert pipe.codec.eager_calls == {"attend": 1, "encode": 1}
     _, more = _generate(pipe)
-    assert more == 0 and pipe._eager_calls == {"_attend_decode": 1, "_encode": 1}, \
+    assert more == 0 and pipe.codec.eager_calls == {"attend": 1, "encode": 1}, \
         "compiled functions went back to eager or recompiled"
     expected, _ = _generate(_kivi(True))
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)

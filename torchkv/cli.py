@@ -25,7 +25,7 @@ def _presets(args) -> None:
     from torchkv.pipeline import presets
 
     if args.matrix:
-        from torchkv.models.support import support_markdown
+        from torchkv.eval.support import support_markdown
 
         print(support_markdown())
         return
@@ -150,7 +150,7 @@ def _calibrate(args) -> None:
     import json
 
     import torchkv
-    from torchkv.eval.data import split_articles
+    from torchkv.corpora import split_articles
     from torchkv.eval.rows import method
 
     pipe = method(args.preset).pipeline  # a preset, with overrides after colons
@@ -170,9 +170,9 @@ def _tune(args) -> None:
     import json
 
     import torchkv
-    from torchkv.eval.data import split_articles
+    from torchkv.corpora import split_articles
     from torchkv.eval.rows import method
-    from torchkv.tuning import tune
+    from torchkv.fitting.tuning import tune
 
     pipe = method(args.preset).pipeline  # a preset, with overrides after colons, or a calibrated folder
     if pipe is None:

@@ -168,3 +168,26 @@ def preset(name: str) -> Preset:
 
 def preset_names() -> list[str]:
     return sorted(_PRESETS)
+
+
+#: functions of the layers above the pipeline that `KVPipeline`'s thin delegates call ("fit", "tune",
+#: "for_model"), registered by the modules that define them, which `import torchkv` imports: the pipeline calls them
+#: without importing anything above it
+_DELEGATES: dict[str, Callable] = {}
+
+
+def register_delegate(name: str) -> Callable[[Callable], Callable]:
+    """Function decorator: `fn` serves `KVPipeline.{name}` (see `delegate`)."""
+
+    def decorate(fn: Callable) -> Callable:
+        _DELEGATES[name] = fn
+        return fn
+
+    return decorate
+
+
+def delegate(name: str) -> Callable:
+    """The function registered for `KVPipeline.{name}`."""
+    if name not in _DELEGATES:
+        raise RuntimeError(f"KVPipeline.{name} is served by a torchkv module that is not imported: `import torchkv`")
+    return _DELEGATES[name]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchkv.eval import runner
-from torchkv.eval.data import SPLITS, documents, split_articles
+from torchkv.corpora import SPLITS, documents, split_articles
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.report import markdown_table, pareto_points, plots, tuned_curves
 from torchkv.eval.retrieval import cases, retrieval

@@ -5,7 +5,7 @@ precision, and bad requests get clear errors."""
 import pytest
 import torch
 
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.retrieval import cases
 from torchkv.eval.rows import Method, method
 from torchkv.eval.through_cache import Request, generate, rolling_logprob, score

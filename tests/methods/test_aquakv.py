@@ -224,7 +224,7 @@ def test_calibration_on_smollm2_saves_loads_and_beats_no_predictor(smollm2, wiki
     """A small calibration (4 × 256 tokens of the calibration split): fitted predictors explain most of the
     keys, the calibrated pipeline round-trips through save/load, patches by folder, and its perplexity
     through the compressed cache beats HIGGS without predictors."""
-    from torchkv.eval.data import documents, split_articles
+    from torchkv.corpora import documents, split_articles
     from torchkv.eval.perplexity import perplexity
     from torchkv.eval.reconstruction import key_rel_error
     from torchkv.eval.rows import Method
@@ -266,7 +266,7 @@ def test_calibration_on_smollm2_saves_loads_and_beats_no_predictor(smollm2, wiki
 def test_calibration_forward_is_the_models_own(arch):
     """Calibration records K/V while the model runs its own attention: with Gemma 2's logit soft-capping (which
     SDPA lacks) and with plain causal masks, the recording forward gives the model's logits."""
-    from torchkv.models.calibrate import _recording
+    from torchkv.fitting.calibrate import _recording
     from torchkv.testing import tiny_model
 
     model = tiny_model(arch, sliding_window=32) if arch == "gemma2" else tiny_model(arch)

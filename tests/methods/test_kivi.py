@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.pipeline import KVPipeline
 from torchkv.testing import capture_kv, sqnr
 

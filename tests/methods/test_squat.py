@@ -5,7 +5,7 @@ import torch
 
 import torchkv
 import torchkv.transforms as T
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt
 from torchkv.models import cache_argument
 from torchkv.ops import dequantize, quantize

@@ -130,7 +130,7 @@ def test_generation_on_smollm2_grows_some_windows_within_the_bound(smollm2):
     the generation is long enough to see some; the first tokens are full precision's (measured: the
     first 4 of 16 at 2 bits; quality is measured by `torchkv eval`)."""
     import torchkv
-    from torchkv.eval.data import documents
+    from torchkv.corpora import documents
 
     model, tokenizer = smollm2
     ids = documents(tokenizer, 600, 1)

@@ -254,7 +254,7 @@ def test_smollm2_keys_svdq_beats_per_channel_2bit(smollm2):
     """The paper's central claim on real keys (512 held-out tokens, all 30 layers): svdq-2bit's key error
     is at least 2x lower than per-channel 2-bit quantization over the same 128-token ranges, and
     svdq-1.25bit's is lower too (figures for every preset: benchmarks/svdq_keys.py)."""
-    from torchkv.eval.data import documents
+    from torchkv.corpora import documents
     from torchkv.eval.reconstruction import key_rel_error, per_channel_keys
     from torchkv.models.capture import capture_qkv
 
@@ -273,7 +273,7 @@ def test_smollm2_sparse_attention_with_a_full_budget_is_the_dense_cache(smollm2)
     when the budget covers every chunk (sparse=1). (The default 1/32 budget's quality is measured by
     `torchkv eval`'s retrieval at 4K.)"""
     import torchkv
-    from torchkv.eval.data import documents
+    from torchkv.corpora import documents
 
     model, tokenizer = smollm2
     ids = documents(tokenizer, 600, 1)

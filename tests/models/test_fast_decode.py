@@ -6,7 +6,7 @@ from torch._dynamo.utils import counters
 
 import torchkv
 import torchkv.transforms as T
-from torchkv.eval.data import documents
+from torchkv.corpora import documents
 from torchkv.models import cache_argument
 from torchkv.store import KVStore
 from torchkv.testing import tiny_model

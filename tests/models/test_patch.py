@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import torchkv
-from torchkv.eval.data import documents, split_text
+from torchkv.corpora import documents, split_text
 from torchkv.models import cache_argument
 from torchkv.testing import tiny_model
 

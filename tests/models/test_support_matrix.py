@@ -1,5 +1,5 @@
 """The architecture x preset matrix: every registered preset on a tiny model of every family, left-padded batch
-and sliding windows included; a refusal must state a reason listed in `torchkv.models.support.REFUSALS`.
+and sliding windows included; a refusal must state a reason listed in `torchkv.eval.support.REFUSALS`.
 `make test` runs one preset of each recipe; the whole matrix (and the README's copy of it) is `make test-slow`."""
 
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchkv.models.support import REPRESENTATIVES, listed_refusal, support_markdown, support_matrix
+from torchkv.eval.support import REPRESENTATIVES, listed_refusal, support_markdown, support_matrix
 from torchkv.testing import TINY_ARCHITECTURES
 
 README = Path(__file__).resolve().parents[2] / "README.md"

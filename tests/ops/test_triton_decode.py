@@ -100,7 +100,7 @@ def test_kernel_equals_eager_reference(c):
 @settings(max_examples=8)
 @given(c=cases())
 def test_pipeline_kernel_path_equals_the_inductor_path(c):
-    """`KVPipeline._attend_decode` through the kernel gives what it gives reading the packed codes with Inductor's
+    """`Codec.attend` through the kernel gives what it gives reading the packed codes with Inductor's
     reductions (the CPU path), fp-token attention included (what window policies read)."""
     pipe, s, q, kf, vf, mask, live = _inputs(c)
     encoded = {n: t.unflatten(2, (c["chunks"], -1)) for n, t in s.items()}
@@ -110,10 +110,10 @@ def test_pipeline_kernel_path_equals_the_inductor_path(c):
     args = (q.float(), encoded, kf, vf, live_mask[:, None, None], softcap, {}, {}, {})
     with pytest.MonkeyPatch.context() as patch:  # a function-scoped fixture would outlive hypothesis' examples
         patch.setattr(triton_decode, "runs_on", lambda device: False)
-        expected = pipe._attend_decode(*args)
+        expected = pipe.codec.attend(*args)
         patch.setattr(triton_decode, "runs_on", lambda device: True)
         assert pipe.kernel_refusal(c["dim"]) is None
-        got = pipe._attend_decode(*args, live=live)
+        got = pipe.codec.attend(*args, live=live)
     torch.testing.assert_close(got[0], expected[0], **_tolerance(c["dtype"]))
     torch.testing.assert_close(got[1], expected[1], **(_tolerance(c["dtype"]) if c["dtype"] != torch.float32
                                                        else dict(atol=1e-5, rtol=1e-4)))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchkv.tuning import allocate
+from torchkv.fitting.tuning import allocate
 
 
 @st.composite

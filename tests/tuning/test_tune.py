@@ -11,8 +11,8 @@ import torchkv.transforms as T
 from torchkv.models import cache_argument
 from torchkv.pipeline import KVPipeline
 from torchkv.testing import tiny_model
-from torchkv.tuning import candidates, measure, tune
-from torchkv.tuning.candidates import rewidth
+from torchkv.fitting.tuning import candidates, measure, tune
+from torchkv.fitting.tuning.candidates import rewidth
 
 IDS = torch.randint(3, 128, (3, 256), generator=torch.Generator().manual_seed(0))
 

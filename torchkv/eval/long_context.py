@@ -16,13 +16,13 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-import torchkv
 from torchkv.eval import synthetic
 from torchkv.eval.long_report import NEEDLE, SUITE, load
 from torchkv.eval.rows import Method, method
 from torchkv.eval.runner import REFERENCE, _commit, _write, machine
 from torchkv.eval.through_cache import Request, generate, score
 from torchkv.models.loader import load_model
+from torchkv.version import __version__
 
 #: new tokens generated for a suite answer: the multi-answer tasks list several words or keys
 MAX_NEW_TOKENS = 48
@@ -86,7 +86,7 @@ def _start(kind: str, model_name: str, model, settings: dict, out: Path) -> dict
     meta = {
         "kind": kind, "model": model_name, "settings": settings, "reference": REFERENCE,
         "dtype": str(model.dtype).removeprefix("torch."), "positions": _positions(model),
-        "torchkv": torchkv.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "torchkv": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "commit": _commit(), "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return {"meta": meta, "cells": []}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from torchkv.eval.data import token_stream
+from torchkv.corpora import token_stream
 from torchkv.eval.rows import Method
 from torchkv.models import cache_argument
 from torchkv.models.capture import capture_qkv

@@ -35,7 +35,7 @@ class Method:
     nbits: int | None = None
     #: a tuned row before `tune_for` runs: the row it starts from and the budget in stored bits per value
     tuning: tuple["Method", float] | None = None
-    #: what tuning reported (`torchkv.tuning.tune`)
+    #: what tuning reported (`torchkv.fitting.tuning.tune`)
     tune_report: dict | None = None
     #: decode steps run as one compiled graph over a fixed-capacity cache (`COMPILED`, `STATIC_BASELINE`)
     compiled: bool = False
@@ -45,7 +45,7 @@ class Method:
     def tune_for(self, model, tokenizer, tokens: int, out_dir: Path | None, progress: bool = True) -> None:
         """Tune a tuned row on `model` (on `tokens` of the calibration split; one sensitivity measurement per
         starting row and model serves every budget), and save its pipeline under `out_dir/tuned/` when given."""
-        from torchkv.tuning import tuned_on_calibration_split
+        from torchkv.fitting.tuning import tuned_on_calibration_split
 
         start, budget = self.tuning
         self.pipeline, self.tune_report = tuned_on_calibration_split(

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 import transformers
 
-import torchkv
 from torchkv._compat import config_head_dim
-from torchkv.eval.data import SPLITS, documents
+from torchkv.corpora import SPLITS, documents
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.retrieval import cases, retrieval
 from torchkv.eval.rows import Method, method
 from torchkv.eval.speed import generation_profile
 from torchkv.models.loader import load_model
+from torchkv.version import __version__
 
 REFERENCE = "dynamic"
 
@@ -85,7 +85,7 @@ def _commit() -> str | None:
 def write_benchmark(path: str | Path, kind: str, rows: list[dict], **settings) -> None:
     """A benchmark's JSON: its rows, and a meta block with its kind and settings, the versions and the machine."""
     meta = {"kind": kind, "model": "smollm2-135m", **settings, "torch": torch.__version__,
-            "torchkv": torchkv.__version__, "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "torchkv": __version__, "machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     _write(Path(path), {"meta": meta, "rows": rows})
     print(f"wrote {path}")
 
@@ -141,7 +141,7 @@ def run_eval(
     case_sets = {c: cases(tokenizer, c, settings.retrieval_cases, settings.seed) for c in settings.retrieval_contexts}
     results = {
         "meta": {
-            "torchkv": torchkv.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "torchkv": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "commit": _commit(), "model": model_name, "dtype": str(model.dtype).removeprefix("torch."),
             "values_per_token": 2 * model.config.num_hidden_layers * model.config.num_key_value_heads
             * config_head_dim(model.config),

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
-from torchkv.eval import memory
-from torchkv.eval.data import token_stream
+from torchkv import memory
+from torchkv.corpora import token_stream
 from torchkv.eval.rows import Method, cache_nbytes
 from torchkv.models import cache_argument
 from torchkv.pipeline import KVPipeline

@@ -2,7 +2,7 @@
 needle at a chosen depth, next-sentence cloze and long-document QA.
 
 Every generator is pure: the same arguments give the same sample. RULER samples are cut to the token budget
-of the tokenizer passed in; the filler ("haystack") is the 'eval' split of `torchkv.eval.data`.
+of the tokenizer passed in; the filler ("haystack") is the 'eval' split of `torchkv.corpora`.
 """
 
 import bisect
@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchkv.eval.data import split_articles, split_text, token_stream
+from torchkv.corpora import split_articles, split_text, token_stream
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words")
 MIN_FILLER = 64  # tokens of haystack (or word list) a sample needs beyond its needles, question and answer

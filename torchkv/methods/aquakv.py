@@ -4,7 +4,7 @@ already holds, and quantize only the residual with HIGGS.
 Layer ℓ ≥ 1 (Alg. 2/3): keys `K̂_ℓ = f_K(K̂_{ℓ−1}) + Q̃(K_ℓ − f_K(K̂_{ℓ−1}))`, pre-RoPE; values
 `V̂_ℓ = f_V([K̂_ℓ ; V̂_{ℓ−1}]) + Q̃(V_ℓ − f_V(·))`. The predictors `f` are linear with bias, fitted in closed
 form by ridge regression one layer after another on reconstructed inputs (`pipe.fit(model, texts)` or
-`torchkv calibrate`, see `torchkv.models.calibrate`); `Q̃` is HIGGS (Hadamard rotation, L2-norm scale,
+`torchkv calibrate`, see `torchkv.fitting.calibrate`); `Q̃` is HIGGS (Hadamard rotation, L2-norm scale,
 nearest point of a Gaussian-optimal 2-D grid). Layer 0 has no previous layer: it is quantized directly at
 `first_bits`. The first `sinks` tokens and a `residual` window stay in full precision.
 """

@@ -14,15 +14,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
-from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
+from torchkv.ops.attention import PREFILL_KERNELS, attend_dense, block_mask_from, flex_prefill
 
 ATTENTION_NAME = "torchkv"
-#: kernels for prompt (multi-token) attention: FlexAttention with the model's mask_mod as a BlockMask, or
-#: torch's SDPA with the same mask made dense (is_causal where it is plain causal). "auto" picks SDPA, and
-#: FlexAttention only for soft-capping, which SDPA lacks: on CPU the compiled FlexAttention template measured
-#: ~2.8x slower than SDPA's causal kernel at 4K tokens (torch 2.13), and on an H100 (torch 2.11) Inductor found no
-#: FlexAttention decoding kernel for the chunks of a chunked prompt (NoValidChoicesError).
-PREFILL_KERNELS = ("auto", "flex", "sdpa")
 
 
 @dataclass(frozen=True)

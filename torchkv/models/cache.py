@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from torchkv.models.attention import PREFILL_KERNELS
+from torchkv.ops.attention import PREFILL_KERNELS
 from torchkv.pipeline import KVPipeline
 from torchkv.static_store import StaticKVStore, static_refusal
 from torchkv.store import CrossLayer, KVStore, RopeFn
@@ -174,7 +174,7 @@ class TorchKVCache(Cache):
         simulated: new tokens are stored before they are attended to, so queries read every token in
             its compressed form (how papers report "simulated quantization" perplexity; use with
             residual 0 and no sinks).
-        prefill_kernel: multi-token attention kernel, one of `attention.PREFILL_KERNELS`.
+        prefill_kernel: multi-token attention kernel, one of `ops.attention.PREFILL_KERNELS`.
         max_cache_len: the most tokens a layer will hold. Given, decode steps run on fixed-capacity buffers and
             the cache `is_compileable` (a pipeline that cannot says why, with a warning, and keeps growing stores).
         devices: per layer, the device its keys and values will be on (a model spread over devices), so that a

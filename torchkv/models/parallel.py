@@ -57,7 +57,7 @@ def check_tensor_parallel(model: nn.Module, pipeline: KVPipeline) -> None:
             f"the model's {heads} KV heads do not split evenly over its {tp} tensor-parallel ranks; torchkv "
             f"compresses whole KV heads per rank: run with a number of ranks that divides {heads}"
         )
-    transforms = [t for _, chain in pipeline._chains() for t in chain.transforms]
+    transforms = [t for _, chain in pipeline.chains() for t in chain.transforms]
     refused = sorted({reason for t in transforms if (reason := _refusal(t))})
     if refused:
         raise NotImplementedError(

@@ -20,7 +20,8 @@ from transformers.cache_utils import Cache
 
 from torchkv._compat import config_head_dim
 from torchkv.models import arch
-from torchkv.models.attention import ATTENTION_NAME, PREFILL_KERNELS, register
+from torchkv.models.attention import ATTENTION_NAME, register
+from torchkv.ops.attention import PREFILL_KERNELS
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.parallel import check_tensor_parallel
 from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
@@ -187,7 +188,7 @@ def patch(
         model: a Hugging Face decoder-only causal LM (see `torchkv.models.arch.ARCHITECTURES`).
         pipeline: a `KVPipeline`, a preset name, a folder written by `save_pretrained`, or None for
             the default preset. Patching an already patched model replaces its pipeline.
-        prefill_kernel: "flex", "sdpa" or "auto" (see `torchkv.models.attention.PREFILL_KERNELS`).
+        prefill_kernel: "flex", "sdpa" or "auto" (see `torchkv.ops.attention.PREFILL_KERNELS`).
 
     Returns:
         the same model object.

@@ -60,15 +60,16 @@ def key_norm(module: nn.Module) -> tuple[torch.Tensor, float] | tuple[()]:
     )
 
 
+@registry.register_delegate("for_model")
 def specialize(pipe: KVPipeline, model: nn.Module) -> KVPipeline:
     """`pipe` for `model` (see `KVPipeline.for_model`): a new pipeline when an option is "auto" or a transform
     fits from weights, cached in `pipe` per model and window rules; `pipe` itself otherwise."""
     auto = sorted(k for k, v in pipe.options.items() if v == "auto")
-    fits = any(t.fits_weights for _, chain in pipe._chains() for t in chain.transforms)
+    fits = any(t.fits_weights for _, chain in pipe.chains() for t in chain.transforms)
     if not auto and not fits:
         return pipe
-    cached = pipe._for_model.setdefault(model, {})
-    key = (*pipe._rules(), pipe.compile)  # a copy with other rules (simulated quantization) gets its own
+    cached = pipe.specialized.setdefault(model, {})
+    key = (*pipe.rules, pipe.compile)  # a copy with other rules (simulated quantization) gets its own
     if key in cached:
         return cached[key]
     config = pipe.config()
@@ -85,5 +86,5 @@ def specialize(pipe: KVPipeline, model: nn.Module) -> KVPipeline:
     out.load_params(pipe.params())
     out.fit_weights(projection_weights(model))
     cached[key] = out
-    out._for_model[model] = {key: out}
+    out.specialized[model] = {key: out}
     return out

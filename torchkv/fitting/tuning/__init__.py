@@ -12,12 +12,13 @@ import weakref
 from typing import Any
 
 
+from torchkv import registry
 from torchkv._compat import config_head_dim
-from torchkv.eval.memory import peak_rss, reset_peak
+from torchkv.memory import peak_rss, reset_peak
 from torchkv.pipeline import KVPipeline
-from torchkv.tuning.allocate import allocate
-from torchkv.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, tuned_chunk
-from torchkv.tuning.sensitivity import Sensitivity, measure
+from torchkv.fitting.tuning.allocate import allocate
+from torchkv.fitting.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, tuned_chunk
+from torchkv.fitting.tuning.sensitivity import Sensitivity, measure
 
 #: bits per value of an uncompressed (float16) cache: a budget above it is an error
 FULL_PRECISION = 16.0
@@ -86,6 +87,7 @@ def tuned_pipeline(sensitivity: Sensitivity, budget: float) -> tuple[KVPipeline,
     return pipe, report
 
 
+@registry.register_delegate("tune")
 def tune(
     pipe: KVPipeline,
     model,
@@ -109,7 +111,7 @@ def tune(
         the tuned pipeline (marked as tuned for `model`, `KVPipeline.tuned_for`) and a report: the choice per
         layer, measured bits, predicted KL, the sensitivity table, tokens, seconds and peak resident memory.
     """
-    from torchkv.models.calibrate import token_windows
+    from torchkv.fitting.calibrate import token_windows
 
     started = time.perf_counter()
     resettable = reset_peak()
@@ -145,8 +147,8 @@ def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32
                             progress: bool = True) -> Sensitivity:
     """`measure` on `tokens` of the Wikipedia calibration split in 1,024-token windows, once per model and
     starting pipeline (a sweep of budgets costs one measurement)."""
-    from torchkv.eval.data import split_articles
-    from torchkv.models.calibrate import token_windows
+    from torchkv.corpora import split_articles
+    from torchkv.fitting.calibrate import token_windows
 
     pipe = check_tunable(pipe, model)
     key = json.dumps([pipe.config(), tokens], sort_keys=True, default=str)

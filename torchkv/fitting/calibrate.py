@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from torchkv import registry
 from torchkv.models import arch
 from torchkv.ops import apply_rope, ridge_streamed
 from torchkv.ops.attention import attend_dense
@@ -95,6 +96,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+@registry.register_delegate("fit")
 def fit_pipeline(
     pipe: KVPipeline,
     model: nn.Module,
@@ -172,7 +174,7 @@ def _fit_layer(pipe, layer, kv, carry, rope, key_predictor, value_predictor, alp
         out = []
         for (k_post, v), previous in zip(kv, carry or [{}] * len(kv)):
             inputs = {"cos": cos, "sin": sin, **{f"previous.{s}": t for s, t in previous.items()}}
-            state = layer_pipe._encode(k_post, v, layer_pipe.layer_params(layer), {}, None, inputs)  # eager
+            state = layer_pipe.codec.encode(k_post, v, layer_pipe.layer_params(layer), {}, None, inputs)  # eager
             out.append({s: state[f"carry.{s}"] for s in ("k", "v")})
         return out
 

@@ -1,0 +1,249 @@
+"""`Chain`: the transforms applied in order to keys (or values), and how chains are shared between layers."""
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+
+import torch
+
+from torchkv.ops import PLANAR_BITS
+from torchkv.pipeline.state import prefixed, substate
+from torchkv.transforms import Context, Transform
+
+#: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
+#: in the value chain, this layer's reconstructed keys ("keys"), both in the chain's carried space (`Chain.carry_index`)
+CROSS_INPUTS = frozenset({"previous", "keys"})
+
+
+class Chain:
+    """Transforms applied in order to keys (or values); decode runs them in reverse.
+
+    The encoded state holds each transform's state under `"{i}."` and the last output under `"out"`.
+    """
+
+    def __init__(self, transforms: list[Transform]):
+        resolved: list[Transform] = []
+        for t in transforms:
+            if not isinstance(t, Transform):
+                raise TypeError(f"a chain takes Transform objects, got {type(t).__name__}: {t!r}")
+            if t.kind == "pack" and getattr(t.config, "bits", 0) is None:
+                source = next((p for p in reversed(resolved) if hasattr(p, "code_bits")), None)
+                if source is None:
+                    raise ValueError(f"{t!r} needs a quantizer before it in the chain, or an explicit bits=")
+                t = type(t)(**{**dataclasses.asdict(t.config), "bits": source.code_bits})
+            missing = t.reads_upstream - frozenset().union(*(p.prepares for p in resolved))
+            if missing:
+                raise ValueError(
+                    f"{t!r} reads {sorted(missing)} prepared by a transform before it in the chain, and none of "
+                    f"{resolved} prepares it"
+                )
+            resolved.append(t)
+        self.transforms = resolved
+        packed = len(resolved) > 1 and resolved[-1].kind == "pack" and getattr(resolved[-1], "planar", False)
+        #: the transform whose `scores`/`weighted_sum` read the stored output: the last one, or the one before a
+        #: planar pack when it reads packed codes
+        self.reader = len(resolved) - 1 - packed
+        #: why decode attention cannot score ("scores") or sum ("sums") the stored form; None where it can
+        self.rebuilds = {use: self._why_rebuilt(use, packed) for use in ("scores", "sums")}
+        #: decode attention scores queries against the stored form (linear transforms before the reader)
+        self.scores_stored = self.rebuilds["scores"] is None
+        #: decode attention sums the stored form (transforms before the reader map sums back)
+        self.sums_stored = self.rebuilds["sums"] is None
+        #: index of the first transform after the position-dependent ones (those reading "cos"/"sin") and the
+        #: rematerializing ones: its decoded input is the chain's carried reconstruction, what a cross-layer
+        #: predictor of the next layer reads: pre-RoPE keys (AQUA-KV), or the cached layer input X̂ (XQuant)
+        self.carry_index = max(
+            [i + 1 for i, t in enumerate(resolved) if {"cos", "sin"} & t.requires or t.rematerializes] or [0]
+        )
+
+    def _why_rebuilt(self, use: str, packed: bool) -> str | None:
+        if not self.transforms:
+            return "the chain is empty"
+        reader = self.transforms[self.reader]
+        if reader.kind == "pack" and len(self.transforms) > 1:
+            return f"{reader!r} is not a planar layout (one width among {PLANAR_BITS}), which decode reductions read"
+        if getattr(reader, "reads_packed", False) != packed:
+            if packed:
+                return f"{reader!r} has no reduction over packed codes"
+            return (f"{reader!r} reads codes in the planar layout, and they are not packed to one of its widths "
+                    f"{PLANAR_BITS} by a pack after it")
+        method, prefix = ("scores", "weighted_sum")[use == "sums"], self.transforms[: self.reader]
+        if not hasattr(reader, method):
+            return f"{reader!r} has no {method} over its stored form"
+        for t in prefix:
+            if not (t.linear if use == "scores" else t.maps_output):
+                return (f"{t!r} is not an affine map of the features shared by every token (it depends on each "
+                        "token's position or on another layer), so the query cannot be mapped through it"
+                        if use == "scores" else f"{t!r} does not map weighted sums of its output back")
+        return None
+
+    @property
+    def token_multiple(self) -> int:
+        return math.lcm(1, *(t.token_multiple for t in self.transforms))
+
+    @property
+    def needs_prepare(self) -> bool:
+        return any(t.needs_prepare for t in self.transforms)
+
+    @property
+    def requires(self) -> frozenset[str]:
+        return frozenset().union(*(t.requires for t in self.transforms))
+
+    @property
+    def predicts(self) -> bool:
+        """Some transform reads another layer's or the other chain's reconstruction (see `KVPipeline.carries`)."""
+        return bool(CROSS_INPUTS & self.requires)
+
+    def _ctx(self, i: int, dim: int, params: Mapping, prepared: Mapping, valid=None, inputs=None) -> Context:
+        upstream = {k: v for j in range(i) for k, v in substate(prepared, f"{j}.").items()}
+        return Context(dim, substate(params, f"{i}."), substate(prepared, f"{i}."), valid, inputs or {}, upstream)
+
+    def scores(
+        self, q: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping
+    ) -> torch.Tensor:
+        """Scores of `q: [B, H, g, dim]` against the encoded tokens (state viewed by chunk): [B, H, g, NC, C]
+        (requires `scores_stored`)."""
+        q, offset = self.mapped_query(q, dim, params, prepared)
+        scores = self.transforms[self.reader].scores(q, state["out"], substate(state, f"{self.reader}."))
+        return scores if offset is None else scores + offset[..., None]  # offset [B, H, g, 1, 1]
+
+    def mapped_query(
+        self, q: torch.Tensor, dim: int, params: Mapping, prepared: Mapping
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`q: [B, H, g, dim]` carried through the transforms before the reader: `(q', offset)` with
+        `q·x = q'·y + offset` for y the reader's input; offset `[B, H, g, 1]` or None (requires `scores_stored`)."""
+        dims, total = self.dims(dim), None
+        for i, t in enumerate(self.transforms[: self.reader]):
+            ctx = self._ctx(i, dims[i], params, prepared)
+            offset = t.score_offset(q, ctx)
+            total = offset if total is None else total if offset is None else total + offset
+            q = t.map_query(q, ctx)
+        return q, total
+
+    def weighted_sum(
+        self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping,
+        inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`Σ_t p_t x̂_t` over the encoded tokens for `p: [B, H, g, NC, C]`: [B, H, g, dim] float32 (requires
+        `sums_stored`)."""
+        r, dims = self.reader, self.dims(dim)
+        ctx = self._ctx(r, dims[r], params, prepared, None, inputs)
+        out = self.transforms[r].weighted_sum(p, state["out"], substate(state, f"{r}."), ctx)
+        total = p.sum((-2, -1))[..., None]
+        for i in reversed(range(r)):
+            out = self.transforms[i].map_output(out, total, self._ctx(i, dims[i], params, prepared, None, inputs))
+        return out
+
+    def dims(self, dim: int) -> list[int]:
+        """Input feature size of every transform for a chain input of size `dim`."""
+        sizes = []
+        for t in self.transforms:
+            sizes.append(dim)
+            dim = t.out_dim(dim)
+        return sizes
+
+    def prepare(
+        self, x: torch.Tensor, params: Mapping, valid: torch.Tensor | None, inputs: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Per-sequence state of every transform that prepares, from the prompt's tensors `x: [B, H, T, F]`."""
+        last = max((i for i, t in enumerate(self.transforms) if t.needs_prepare), default=-1)
+        prepared: dict[str, torch.Tensor] = {}
+        for i, (t, dim) in enumerate(zip(self.transforms[: last + 1], self.dims(x.shape[-1]))):
+            ctx = self._ctx(i, dim, params, prepared, valid, inputs)
+            own = t.prepare(x, ctx)
+            prepared.update(prefixed(own, f"{i}."))
+            if i < last:
+                x, _ = t.encode(x, dataclasses.replace(ctx, prepared=own))
+        return prepared
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        params: Mapping[str, torch.Tensor],
+        prepared: Mapping[str, torch.Tensor],
+        valid: torch.Tensor | None,
+        inputs: Mapping[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """`x: [B, H, T, F]` -> encoded state (tensors with batch at dim 0, tokens at dim 2)."""
+        state: dict[str, torch.Tensor] = {}
+        for i, (t, dim) in enumerate(zip(self.transforms, self.dims(x.shape[-1]))):
+            x, own = t.encode(x, self._ctx(i, dim, params, prepared, valid, inputs))
+            state.update(prefixed(own, f"{i}."))
+        state["out"] = x
+        return state
+
+    def decode(
+        self,
+        state: Mapping[str, torch.Tensor],
+        dim: int,
+        params: Mapping[str, torch.Tensor],
+        prepared: Mapping[str, torch.Tensor],
+        inputs: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Encoded state -> `[B, H, T, dim]` float32."""
+        return self.decode_to(state, dim, params, prepared, inputs, 0)
+
+    def decode_to(self, state, dim: int, params, prepared, inputs, stop: int) -> torch.Tensor:
+        """Decode the transforms from the last down to `stop`: the reconstruction of transform `stop`'s input."""
+        y = state["out"]
+        dims = self.dims(dim)
+        for i in reversed(range(stop, len(self.transforms))):
+            y = self.transforms[i].decode(y, substate(state, f"{i}."), self._ctx(i, dims[i], params, prepared, None, inputs))
+        return y.float()
+
+    def decode_below(self, y: torch.Tensor, stop: int, state, dim: int, params, prepared, inputs) -> torch.Tensor:
+        """Finish a `decode_to(..., stop)`: decode transforms `stop - 1` down to 0."""
+        dims = self.dims(dim)
+        for i in reversed(range(stop)):
+            y = self.transforms[i].decode(y, substate(state, f"{i}."), self._ctx(i, dims[i], params, prepared, None, inputs))
+        return y.float()
+
+    @property
+    def selector(self) -> Transform | None:
+        """The transform that picks the encoded tokens each attention step reads (sparse attention), or None."""
+        return next((t for t in self.transforms if hasattr(t, "select")), None)
+
+
+def decode_pair(keys: Chain, values: Chain, state, head_dim: int, params, prepared, inputs):
+    """Keys and values `[B, H, T, head_dim]` from a pipeline's encoded state ("k."/"v." entries)."""
+    k = keys.decode(substate(state, "k."), head_dim, substate(params, "k."), substate(prepared, "k."), inputs)
+    v = values.decode(substate(state, "v."), head_dim, substate(params, "v."), substate(prepared, "v."), inputs)
+    return k, v
+
+
+def side_inputs(inputs: Mapping[str, torch.Tensor], side: str, keys: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """One chain's inputs in a cross-layer pipeline: "previous" is the previous layer's reconstruction of this
+    side (`inputs["previous.k"]` / `["previous.v"]`), "keys" this layer's reconstructed keys (value chain)."""
+    own = {n: t for n, t in inputs.items() if not n.startswith("previous.")}
+    if f"previous.{side}" in inputs:
+        own["previous"] = inputs[f"previous.{side}"]
+    if keys is not None:
+        own["keys"] = keys
+    return own
+
+
+def chain_spec(chain: Chain) -> str:
+    return json.dumps([t.spec() for t in chain.transforms], sort_keys=True)
+
+
+def shared_chains(
+    layers: Mapping[int, tuple[list[Transform], list[Transform]]], keys: Chain, values: Chain
+) -> dict[int, tuple[Chain, Chain]]:
+    """Chains by layer, one pair per distinct spec; a layer whose chains are the main ones' is left out. The
+    transforms of layers that share a pair are the first such layer's, which take the others' fitted parameters
+    (`Transform.params` is keyed by layer)."""
+    shared = {(chain_spec(keys), chain_spec(values)): (keys, values)}
+    out: dict[int, tuple[Chain, Chain]] = {}
+    for layer in sorted(layers):
+        if not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layers must be keyed by layer index (an integer >= 0), got {layer!r}")
+        pair = tuple(Chain(transforms) for transforms in layers[layer])
+        owner = shared.setdefault(tuple(map(chain_spec, pair)), pair)
+        for chain, own in zip(owner, pair):
+            for target, t in zip(chain.transforms, own.transforms):
+                if target is not t:
+                    target.params.update(t.params)
+        if owner[0] is not keys:
+            out[layer] = owner
+    return out

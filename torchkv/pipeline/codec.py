@@ -1,0 +1,172 @@
+"""`Codec`: encode, decode and decode attention of one pair of chains over explicit state, and the library's one
+compile boundary: `Codec.run` decides whether a call runs eagerly or through `torch.compile` (CPU Inductor, or
+Inductor with the Triton kernel of `ops.triton_decode` on CUDA)."""
+
+import math
+
+import torch
+
+from torchkv._compat import own_cache, recompile_headroom
+from torchkv.ops import triton_decode
+from torchkv.pipeline.chain import Chain, side_inputs
+from torchkv.pipeline.state import prefixed, substate
+from torchkv.transforms.quantizers import UniformQuantize
+
+#: compiled code rounds through the stored metadata dtypes exactly as eager does
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
+#: `compile="auto"`: eager calls of a function before it is compiled (layers that share chains share the count).
+#: A count, not a time, so that whether a step runs compiled (which rounds differently) never depends on the machine's
+#: speed. 2,048 calls are about 5 s of eager decode attention on 2 CPU cores at 1K-4K tokens (1.3-4 ms a call), about
+#: what compiling one function costs with Inductor's disk cache warm: a process stops paying the eager price once it
+#: has paid as much as compiling would cost (ski rental); a 30-layer model's first 68 steps never wait for a compile.
+EAGER_CALLS_BEFORE_COMPILE = 2048
+
+
+class Codec:
+    """The functions that encode, decode and attend over the stored form of one pair of chains.
+
+    They take per-layer tensors (`params`: the layer's fitted parameters, `prepared`: per-sequence state, `inputs`:
+    model-side tensors), never a layer index, so that one compiled graph serves every layer that shares the chains.
+
+    Attributes:
+        compile: when `run` compiles: "auto", True or False (see `KVPipeline`).
+        carries: each layer hands its reconstruction in projection space to the next (cross-layer prediction).
+        compiled, eager_calls: by function name, its compiled form and (`compile="auto"`) its eager calls so far.
+    """
+
+    def __init__(self, keys: Chain, values: Chain, carries: bool, compile: bool | str):
+        self.keys, self.values, self.carries, self.compile = keys, values, carries, compile
+        self.compiled: dict[str, object] = {}
+        self.eager_calls: dict[str, int] = {}
+
+    def encode(self, k, v, params, prepared, valid, inputs):
+        """Keys and values `[B, H, T, D]` -> one flat state ("k."/"v." entries; "carry.k"/"carry.v" when `carries`)."""
+        if not self.carries:
+            return {
+                **prefixed(self.keys.encode(k, substate(params, "k."), substate(prepared, "k."), valid, inputs), "k."),
+                **prefixed(self.values.encode(v, substate(params, "v."), substate(prepared, "v."), valid, inputs), "v."),
+            }
+        # closed loop: each chain's reconstruction is what the value chain and the next layer read
+        state, carry = {}, {}
+        for side, chain, x in (("k", self.keys, k), ("v", self.values, v)):
+            own = side_inputs(inputs, side, carry.get("k"))
+            p, q = substate(params, f"{side}."), substate(prepared, f"{side}.")
+            encoded = chain.encode(x, p, q, valid, own)
+            carry[side] = chain.decode_to(encoded, x.shape[-1], p, q, own, chain.carry_index)
+            state.update(prefixed(encoded, f"{side}."))
+        return {**state, **prefixed(carry, "carry.")}
+
+    def decode_side(self, side: str, chain: Chain, state, head_dim: int, params, prepared, inputs, carry: dict):
+        """One chain's `[B, H, T, head_dim]` from its flat encoded state; in a cross-layer pipeline it reads the
+        previous layer's reconstruction (and, values, `carry["k"]`) and records its own in `carry[side]`."""
+        s, p, q = substate(state, f"{side}."), substate(params, f"{side}."), substate(prepared, f"{side}.")
+        if not self.carries:
+            return chain.decode(s, head_dim, p, q, inputs)
+        own = side_inputs(inputs, side, carry.get("k"))
+        carry[side] = chain.decode_to(s, head_dim, p, q, own, chain.carry_index)
+        return chain.decode_below(carry[side], chain.carry_index, s, head_dim, p, q, own)
+
+    def decode(self, state, head_dim, params, prepared, inputs):
+        """Flat state -> `(k, v)` `[B, H, T, head_dim]` float32, and `carry` when the pipeline `carries`."""
+        carry = {}
+        k = self.decode_side("k", self.keys, state, head_dim, params, prepared, inputs, carry)
+        v = self.decode_side("v", self.values, state, head_dim, params, prepared, inputs, carry)
+        return (k, v, carry) if self.carries else (k, v)
+
+    def attend(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, inputs, live=None):
+        """Decode attention of the scaled query `q` [B, Hq, 1, D] float32 over encoded chunks and full-precision
+        tokens: `(out [B, Hq, 1, D], fp_attention [F], carry)` (shapes as `KVPipeline.attend_decode`)."""
+        b, hq, _, d = q.shape
+        h = k_fp.shape[1]
+        if triton_decode.runs_on(q.device) and self.kernel_refusal(d) is None:
+            return self.kernel_attend(q, encoded, k_fp, v_fp, mask, softcap, params, prepared, live)
+        qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
+        flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
+        carry: dict[str, torch.Tensor] = {}
+        # run eagerly (compile="auto" before it compiles), a chain whose stored form is one dequantization away from
+        # the tokens is faster rebuilt for two matmuls than reduced over op by op (at 4K tokens, best of 5: kivi-2bit
+        # 3.5 ms against 4.0 per layer, squat-2bit 2.2 against 3.5); a chain with transforms before its reader
+        # (rotations) keeps mapping the query instead
+        compiling = torch.compiler.is_compiling()
+        if self.keys.scores_stored and not self.carries and (compiling or self.keys.reader > 0):
+            s_enc = self.keys.scores(qg, substate(encoded, "k."), d, substate(params, "k."), substate(prepared, "k."))
+        else:  # keys rebuilt: run eagerly, rematerialized (RoPE at each position) or predicted across layers
+            k_enc = self.decode_side("k", self.keys, flat, d, params, prepared, inputs, carry)  # [B, H, T, D]
+            s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (encoded["k.out"].shape[2], -1))
+        nc, c = s_enc.shape[-2:]
+        scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        p = torch.softmax(scores, -1)
+        p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
+        if self.values.sums_stored and (compiling or self.values.reader > 0):
+            own = side_inputs(inputs, "v", carry.get("k")) if self.carries else inputs
+            pv, qv = substate(params, "v."), substate(prepared, "v.")
+            out = self.values.weighted_sum(p_enc, substate(encoded, "v."), d, pv, qv, own)
+            if self.carries:
+                carry["v"] = self.values.decode_to(substate(flat, "v."), d, pv, qv, own, self.values.carry_index)
+        else:
+            v_enc = self.decode_side("v", self.values, flat, d, params, prepared, inputs, carry)
+            out = p_enc.flatten(-2) @ v_enc
+        p_fp = p[..., nc * c :]  # [B, H, g, F]
+        out = out + p_fp @ v_fp.float()
+        return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
+
+    def kernel_attend(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, live):
+        """`attend` as one call of the Triton kernel over the KIVI-coded chunks (`kernel_refusal` is None)."""
+        b, hq, _, d = q.shape
+        h = k_fp.shape[1]
+        q_fp = q.reshape(b, h, hq // h, d).float()
+        q_enc, offset = self.keys.mapped_query(q_fp, d, substate(params, "k."), substate(prepared, "k."))
+        bias = None if offset is None else offset.expand(b, h, hq // h, 1).reshape(b, hq)
+        codes = {n: t.flatten(2, 3) for n, t in encoded.items()}  # [B, H, NC·rows per chunk, ...]
+        kr, vr = self.keys.reader, self.values.reader
+        out, lse, s_fp = triton_decode.kivi_decode(
+            q_enc.reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"], codes[f"k.{kr}.scale"],
+            codes[f"k.{kr}.zero"], codes["v.out"], codes[f"v.{vr}.scale"], codes[f"v.{vr}.zero"], k_fp, v_fp,
+            None if mask is None else mask.reshape(mask.shape[0], -1), bias, live, softcap or 0.0,
+            self.keys.transforms[kr].config.bits, self.values.transforms[vr].config.bits,
+        )
+        fp_attention = torch.exp(s_fp - lse[..., None]).mean((0, 1))  # [F]
+        return out.reshape(b, hq, 1, d), fp_attention, {}
+
+    def kernel_refusal(self, head_dim: int = 128) -> str | None:
+        """Why decode attention on a GPU cannot run the Triton kernel over KIVI's stored form (`ops.triton_decode`)
+        for heads of `head_dim`, and runs the Inductor path instead; None when it runs the kernel."""
+        if triton_decode.triton is None:
+            return "Triton is not installed"
+        if not self.compile:
+            return "compile=False runs decode attention eagerly over rebuilt tokens"
+        if self.carries or self.keys.selector is not None:
+            return "the pipeline predicts across layers or selects chunks"
+        if not (self.keys.scores_stored and self.values.sums_stored):
+            return "decode attention rebuilds its keys or values"
+        k, v = self.keys.transforms[self.keys.reader], self.values.transforms[self.values.reader]
+        for side, t, axis in (("keys", k, "channel"), ("values", v, "token")):
+            uniform = isinstance(t, UniformQuantize)
+            if not uniform or t.config.axis != axis or t.config.symmetric:
+                stored = f"{t.kind}.{t.name}" + (
+                    f"(axis={t.config.axis!r}, symmetric={t.config.symmetric})" if uniform else "")
+                return (f"the kernel reads asymmetric uniform codes per {axis} as {side} (KIVI's layout), and the "
+                        f"{side} are stored by {stored}")
+        if self.values.reader or self.keys.dims(head_dim)[self.keys.reader] != head_dim:
+            return "a transform before the value quantizer, or one that changes the key size, is not in the kernel"
+        return None
+
+    def run(self, name: str, *args):
+        """`getattr(self, name)(*args)`, eagerly or compiled as `compile` says (inside a whole-step graph: traced)."""
+        fn = getattr(self, name)
+        if not self.compile or torch.compiler.is_compiling():  # inside a whole-step graph: traced into it
+            return fn(*args)
+        calls = self.eager_calls.get(name, 0)
+        if self.compile == "auto" and name not in self.compiled and calls < EAGER_CALLS_BEFORE_COMPILE:
+            self.eager_calls[name] = calls + 1
+            return fn(*args)
+        if name not in self.compiled:
+            # static shapes except the axes callers mark dynamic: automatic dynamic would also generalize
+            # axes that differ between pipelines (code widths), which stops Inductor vectorizing
+            self.compiled[name] = torch.compile(own_cache(fn), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+        with recompile_headroom():
+            return self.compiled[name](*args)

@@ -1,0 +1,99 @@
+"""A pipeline on disk: `torchkv_config.json` (chains, window rules, what it was fitted for) and
+`torchkv_params.safetensors` (fitted parameters, a shared tensor written once), with the migration of older folders.
+
+The functions take the pipeline class as an argument (`KVPipeline.from_pretrained` passes itself), so this module
+imports nothing above it."""
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from torchkv import window as windows
+from torchkv.transforms import build
+
+CONFIG_FILE = "torchkv_config.json"
+PARAMS_FILE = "torchkv_params.safetensors"
+FORMAT_VERSION = 1
+
+
+def save(pipe, path: str | Path) -> None:
+    """Write `torchkv_config.json` and, when there are fitted parameters, `torchkv_params.safetensors`. A tensor
+    that several chains share (tuned layers keep the preset's fitted transforms) is written once, under its first
+    name; the file's "aliases" metadata maps the other names to it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(pipe.config(), indent=2))
+    params = pipe.params()
+    if params:
+        first: dict[int, str] = {}
+        aliases = {k: first.setdefault(id(v), k) for k, v in params.items()}
+        aliases = {k: name for k, name in aliases.items() if name != k}
+        tensors = {k: v.contiguous().cpu() for k, v in params.items() if k not in aliases}
+        save_file(tensors, str(path / PARAMS_FILE), metadata={"aliases": json.dumps(aliases)})
+
+
+def load(cls: type, path: str | Path):
+    """The pipeline (of class `cls`) that `save` wrote to `path`."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{path} has no {CONFIG_FILE}; save a pipeline there with pipe.save_pretrained(path)")
+    resave = "save the pipeline again with pipe.save_pretrained(path)"
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except ValueError as err:  # invalid JSON or not UTF-8 (truncated or garbled)
+        raise ValueError(f"{path / CONFIG_FILE} is not valid JSON ({err}); {resave}") from err
+    if not isinstance(config, dict) or config.get("format") != "torchkv.KVPipeline":
+        raise ValueError(f"{path / CONFIG_FILE} is not a torchkv pipeline config of version {FORMAT_VERSION}")
+    if isinstance(config.get("version"), int) and config["version"] > FORMAT_VERSION:
+        raise ValueError(f"{path / CONFIG_FILE} was written in pipeline format version {config['version']} by a "
+                         f"later torchkv; this one reads version {FORMAT_VERSION}: upgrade torchkv")
+    if config.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path / CONFIG_FILE} is not a torchkv pipeline config of version {FORMAT_VERSION}")
+    try:
+        pipe = from_config(cls, config)
+    except (KeyError, TypeError, AttributeError) as err:  # a field missing or of the wrong type
+        raise ValueError(f"{path / CONFIG_FILE} is incomplete or malformed ({type(err).__name__}: {err}); "
+                         f"{resave}") from err
+    if (path / PARAMS_FILE).is_file():
+        try:  # safetensors only: nothing here unpickles
+            params = load_file(str(path / PARAMS_FILE))
+            with safe_open(str(path / PARAMS_FILE), "pt") as f:
+                aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+            params.update({k: params[name] for k, name in aliases.items()})
+        except (SafetensorError, ValueError, KeyError) as err:  # SafetensorError is no ValueError
+            raise ValueError(f"{path / PARAMS_FILE} is not a readable safetensors file of this pipeline's "
+                             f"parameters ({type(err).__name__}: {err}); {resave}") from err
+        if "layers" not in config:  # saved before per-layer chains: "first{n}." held the n-th first layer's
+            params = {"layer" + k[len("first"):] if k.startswith("first") else k: v for k, v in params.items()}
+        pipe.load_params(params)
+    return pipe
+
+
+def from_config(cls: type, config: Mapping[str, Any]):
+    """A pipeline from its `config()` (parameters not included: see `load_params`)."""
+    pipe = cls(
+        [build(s) for s in config["keys"]],
+        [build(s) for s in config["values"]],
+        residual=config["residual"],
+        sinks=config["sinks"],
+        chunk=config["chunk"],
+        window=None if config.get("window") is None else windows.from_spec(config["window"]),
+        layers={int(layer): ([build(s) for s in c["keys"]], [build(s) for s in c["values"]])
+                for layer, c in layer_specs(config).items()},
+    )
+    pipe.name, pipe.options, pipe.fitted_for = config["name"], dict(config["options"]), config.get("fitted_for")
+    pipe.tuned_for = config.get("tuned_for")
+    return pipe
+
+
+def layer_specs(config: Mapping[str, Any]) -> dict[int, dict[str, list]]:
+    """The per-layer chain specs of a config; configs saved before per-layer chains held a list of the first
+    layers' ("first_layers"), or one ("first_layer")."""
+    if "layers" in config:
+        return {int(layer): specs for layer, specs in config["layers"].items()}
+    first = config.get("first_layers") or ([config["first_layer"]] if config.get("first_layer") else [])
+    return dict(enumerate(first))
