@@ -9,6 +9,7 @@ from torchkv.version import __version__
 
 
 __all__ = [
+    "__version__",
     "DEFAULT_PRESET",
     "BitsPerValue",
     "KVPipeline",

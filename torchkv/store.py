@@ -169,32 +169,17 @@ class KVStore:
         b, _, t, _ = k.shape
         if self.params is None:
             self.params = {n: p.to(k.device) for n, p in pipe.layer_params(self.layer).items()}
-        x = None
-        if self.tracks_input:
-            x = (inputs or {}).get("x")
-            if x is None or x.shape[:2] != (b, t):
-                raise ValueError(
-                    f"pipeline '{pipe.name}' caches the layer input: append needs inputs['x'] [batch, tokens, hidden] "
-                    f"for its {t} tokens (a model patched by torchkv.patch supplies it), got "
-                    f"{None if x is None else tuple(x.shape)}"
-                )
+        x = self._layer_input(inputs, b, t)
         n = self.n_residual
-        if n + t < self.window_limit and self.n_sinks == pipe.sinks and self.length and not self.tracks_positions:
-            # a decode step: no chunk completes, the tokens only enter the window
+        if self._enters_window(t):
             self._reserve(k, v, n + t, x)
             self.res_k[:, :, n : n + t], self.res_v[:, :, n : n + t] = k, v
-            if x is not None:
-                self.res_x[:, n : n + t] = x
-            self.res_valid[:, n : n + t] = True if valid is None else valid
-            self.n_residual += t
-            self.length += t
+            self._count_in_window(t, valid, x)
             return
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
         if self.tracks_positions:
-            if positions is None:
-                positions = torch.arange(self.length, self.length + t, device=k.device)[None]
-            self.positions = _cat(self.positions, positions.expand(b, t).long(), 1)
+            self._track_positions(positions, b, t, k.device)
         first = self.length == 0 and not self.prepared
         self.dtype, self.kv_heads, self.head_dim = k.dtype, k.shape[1], k.shape[-1]
         self.length += t
@@ -209,51 +194,139 @@ class KVStore:
             k, v, valid = k[:, :, take:], v[:, :, take:], valid[:, take:]
             x = None if x is None else x[:, take:]
 
-        buf_x = x
-        if n:
-            buf_k = torch.cat([self.res_k[:, :, :n], k], 2)  # [B, H, n + T', D]
-            buf_v = torch.cat([self.res_v[:, :, :n], v], 2)
-            buf_valid = torch.cat([self.res_valid[:, :n], valid], 1)
-            if x is not None:
-                buf_x = torch.cat([self.res_x[:, :n], x], 1)  # [B, n + T', d]
-        else:
-            buf_k, buf_v, buf_valid = k, v, valid
-        total = buf_k.shape[2]
+        buf_k, buf_v, buf_valid, buf_x = self._after_window(k, v, valid, x)
         if pipe.window is not None and not pipe.window.compresses_after_prompt and not first:
             flush = 0
         elif pipe.window is None or attention is None or take > 0:
-            flush = flushed(total, self.window_limit, pipe.chunk)
+            flush = flushed(buf_k.shape[2], self.window_limit, pipe.chunk)
         else:
             flush = self._flush_dynamic(n, attention.tolist())
         if flush:
-            start = self.n_sinks + self.n_encoded
-            inputs = self._rope_inputs(start, start + flush)
-            if buf_x is not None:
-                inputs["x"] = buf_x[:, :flush]
-            if pipe.carries and self.layer:
-                inputs.update(self.cross_layer.take("encode", self.layer, flush))
-            state = pipe.encode_chunk(
-                buf_k[:, :, :flush],
-                buf_v[:, :, :flush],
-                prepared=self.prepared,
-                valid=buf_valid[:, :flush],
-                inputs=inputs,
-                params=self.params,
-            )
-            if pipe.carries:
-                self.cross_layer.put("encode", self.layer, {s: state.pop(f"carry.{s}") for s in ("k", "v")})
-            for name, tensor in state.items():
-                self.encoded[name] = _cat(self.encoded.get(name), tensor, 2)
-            self.n_encoded += flush
-        rest = total - flush
+            self._encode_front(buf_k[:, :, :flush], buf_v[:, :, :flush], buf_valid[:, :flush],
+                               None if buf_x is None else buf_x[:, :flush])
+        self._refill_window(buf_k[:, :, flush:], buf_v[:, :, flush:], buf_valid[:, flush:],
+                            None if buf_x is None else buf_x[:, flush:])
+
+    def _track_positions(self, positions: torch.Tensor | None, batch: int, tokens: int, device: torch.device) -> None:
+        """Keep the new tokens' position ids (default: their index in the sequence)."""
+        if positions is None:
+            positions = torch.arange(self.length, self.length + tokens, device=device)[None]
+        self.positions = _cat(self.positions, positions.expand(batch, tokens).long(), 1)
+
+    def _after_window(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None):
+        """The window's tokens followed by these `[B, H, T, D]`: `(k, v, valid, x)` over `n_residual + T` tokens."""
+        n = self.n_residual
+        if not n:
+            return k, v, valid, x
+        k, v = torch.cat([self.res_k[:, :, :n], k], 2), torch.cat([self.res_v[:, :, :n], v], 2)
+        x = None if x is None else torch.cat([self.res_x[:, :n], x], 1)  # [B, n + T, d]
+        return k, v, torch.cat([self.res_valid[:, :n], valid], 1), x
+
+    def _encode_front(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None) -> None:
+        """Encode the tokens `[B, H, T, D]` that leave the window (T a multiple of the chunk) and append their state
+        to the encoded chunks; cross-layer pipelines take the previous layer's reconstruction and hand on theirs."""
+        pipe, t = self.pipeline, k.shape[2]
+        start = self.n_sinks + self.n_encoded
+        inputs = self._rope_inputs(start, start + t)
+        if x is not None:
+            inputs["x"] = x
+        if pipe.carries and self.layer:
+            inputs.update(self.cross_layer.take("encode", self.layer, t))
+        state = pipe.encode_chunk(k, v, prepared=self.prepared, valid=valid, inputs=inputs, params=self.params)
+        if pipe.carries:
+            self.cross_layer.put("encode", self.layer, {s: state.pop(f"carry.{s}") for s in ("k", "v")})
+        for name, tensor in state.items():
+            self.encoded[name] = _cat(self.encoded.get(name), tensor, 2)
+        self.n_encoded += t
+
+    def _refill_window(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None) -> None:
+        """Make the window hold exactly these tokens `[B, H, T, D]` (what stays in full precision)."""
+        rest = k.shape[2]
         if rest:
-            self._reserve(k, v, rest, buf_x)
-            self.res_k[:, :, :rest] = buf_k[:, :, flush:]
-            self.res_v[:, :, :rest] = buf_v[:, :, flush:]
-            self.res_valid[:, :rest] = buf_valid[:, flush:]
-            if buf_x is not None:
-                self.res_x[:, :rest] = buf_x[:, flush:]
+            self._reserve(k, v, rest, x)
+            self.res_k[:, :, :rest], self.res_v[:, :, :rest], self.res_valid[:, :rest] = k, v, valid
+            if x is not None:
+                self.res_x[:, :rest] = x
         self.n_residual = rest
+
+    def _layer_input(self, inputs: Mapping[str, torch.Tensor] | None, batch: int, tokens: int) -> torch.Tensor | None:
+        """`inputs["x"]` [B, T, d] of stores that `tracks_input` (checked), else None."""
+        if not self.tracks_input:
+            return None
+        x = (inputs or {}).get("x")
+        if x is None or x.shape[:2] != (batch, tokens):
+            raise ValueError(
+                f"pipeline '{self.pipeline.name}' caches the layer input: the store needs inputs['x'] [batch, tokens, "
+                f"hidden] for its {tokens} new tokens (a model patched by torchkv.patch supplies it), got "
+                f"{None if x is None else tuple(x.shape)}"
+            )
+        return x
+
+    def _enters_window(self, tokens: int) -> bool:
+        """Appending `tokens` completes no chunk: they only enter the window (a decode step's token, mostly)."""
+        return (self.n_residual + tokens < self.window_limit and self.n_sinks == self.pipeline.sinks and self.length > 0
+                and not self.tracks_positions)
+
+    def _count_in_window(self, tokens: int, valid: torch.Tensor | None, x: torch.Tensor | None) -> None:
+        """Count the `tokens` written after the window as held (their validity and layer inputs with them)."""
+        n = self.n_residual
+        if x is not None:  # the input buffer is sized with the window's (`_reserve`)
+            self.res_x[:, n : n + tokens] = x
+        self.res_valid[:, n : n + tokens] = True if valid is None else valid
+        self.n_residual += tokens
+        self.length += tokens
+
+    def attention_order(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """A mask over the held tokens and new ones `[..., length + new]` in sequence order (sinks, encoded, window,
+        new), reordered as decode attention reads them: encoded chunks first, then sinks, window and new tokens."""
+        if mask is None:
+            return None
+        s, e = self.n_sinks, self.n_encoded
+        return torch.cat([mask[..., s : s + e], mask[..., :s], mask[..., s + e :]], -1)
+
+    def decode_step(
+        self,
+        query: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
+        *,
+        valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        inputs: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attend one new token per row over the held tokens and itself through the pipeline's compiled decode
+        attention, then keep it: one call per layer and step, as `StaticKVStore.decode_step` is for fixed-capacity
+        buffers. The token is written once, after the window, where attention reads it; a step that completes a
+        chunk encodes the window's oldest one (`append`).
+
+        Args:
+            query: [B, Hq, 1, D]. k, v: [B, H, 1, D], the new token.
+            mask: [B or 1, 1, 1, length + 1] bool in sequence order (True = attend), or None when every held token
+                is visible to the new one.
+            valid, positions, inputs: the new token's, as `append` takes them.
+
+        Returns:
+            [B, Hq, 1, D] in the query's dtype.
+        """
+        x = self._layer_input(inputs, k.shape[0], 1)
+        k_fp, v_fp = self.full_precision(k, v)
+        window = self.pipeline.window
+        if window is not None:  # a view of a window buffer that grows would put its capacity in guards
+            k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()
+        out, fp_attention, carry = self.pipeline.attend_decode(
+            query, self.encoded_by_chunk(), k_fp, v_fp, self.attention_order(mask), scale, softcap,
+            prepared=self.prepared, params=self.params, inputs=self.history_inputs(),
+        )
+        self.hand_over(carry)
+        if self._enters_window(1):
+            self._count_in_window(1, valid, x)
+        else:
+            attention = fp_attention[None] if window is not None and window.reads_attention else None
+            self.append(k, v, valid=valid, positions=positions, inputs=inputs, attention=attention)
+        return out
 
     def _flush_dynamic(self, n: int, attention: list[list[float]]) -> int:
         """Tokens to encode from the front of the window plus the new tokens, which enter one at a time;
@@ -313,7 +386,7 @@ class KVStore:
             inputs = {}
             if self.tracks_positions:
                 inputs["cos"], inputs["sin"] = self.rope(self.positions.gather(1, self.n_sinks + idx))
-            k, v = self.pipeline.decode_rows(rows, self.head_dim, self.prepared, inputs, self.params)
+            k, v = self.pipeline.codec.decode_rows(rows, self.head_dim, self.prepared, inputs, self.params)
             ks.append(k[:, head])
             vs.append(v[:, head])
         return torch.stack(ks, 1).to(self.dtype), torch.stack(vs, 1).to(self.dtype)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
 
-from torchkv.ops.attention import PREFILL_KERNELS, attend_dense, block_mask_from, flex_prefill
+from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
 
 ATTENTION_NAME = "torchkv"
 
@@ -203,24 +203,6 @@ def _attend(query, keys, values, spec: MaskSpec, scaling: float, softcap: float 
     return _flex(query, keys, values, spec, scaling, softcap)
 
 
-def _compiled_decode(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
-    """One decode step in one compiled graph over the stored form (see `KVPipeline.attend_decode`)."""
-    mask = None
-    if not spec.causal:  # the causal rule allows every cached token to the newest query
-        n_sinks, n_enc = store.n_sinks, store.n_encoded
-        dense = spec.dense(1, store.length + 1, query.device)  # absolute order: sinks, encoded, window, new
-        mask = torch.cat([dense[..., n_sinks : n_sinks + n_enc], dense[..., :n_sinks], dense[..., n_sinks + n_enc :]], -1)
-    k_fp, v_fp = store.full_precision(k_new, v_new)
-    if store.pipeline.window is not None:  # a view of a window buffer that grows would put its capacity in guards
-        k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()
-    out, fp_attention, carry = store.pipeline.attend_decode(
-        query, store.encoded_by_chunk(), k_fp, v_fp, mask, scaling, softcap, prepared=store.prepared,
-        params=store.params, inputs=store.history_inputs(),
-    )
-    store.hand_over(carry)
-    return out, fp_attention
-
-
 def _sparse(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap: float | None):
     """Attention reading only the encoded chunks the pipeline's selector picks for these queries, then
     the full-precision tokens (sinks, window) and the new ones, under the model's mask (padding, sliding window)
@@ -237,12 +219,11 @@ def _sparse(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap:
         mask = torch.ones(q_len, keys.shape[2], dtype=torch.bool, device=query.device)
         mask[:, before:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
         return attend_dense(query, keys, values, mask[None, None], scaling, softcap)[0]
-    n_sinks, n_enc = store.n_sinks, store.n_encoded
-    dense = spec.dense(q_len, store.length + q_len, query.device)  # absolute order: sinks, encoded, window, new
-    b, h = tokens.shape[:2]
-    encoded = dense[..., n_sinks : n_sinks + n_enc].expand(b, h, q_len, n_enc)
+    ordered = store.attention_order(spec.dense(q_len, store.length + q_len, query.device))  # encoded first
+    b, h, n_enc = *tokens.shape[:2], store.n_encoded
+    encoded = ordered[..., :n_enc].expand(b, h, q_len, n_enc)
     selected = encoded.gather(-1, tokens[:, :, None].expand(b, h, q_len, tokens.shape[-1]))  # [B, H, Q, K·c]
-    rest = torch.cat([dense[..., :n_sinks], dense[..., n_sinks + n_enc :]], -1).expand(b, h, q_len, -1)
+    rest = ordered[..., n_enc:].expand(b, h, q_len, -1)
     return attend_dense(query, keys, values, torch.cat([selected, rest], -1), scaling, softcap)[0]
 
 
@@ -276,7 +257,7 @@ def torchkv_attention(
         return out.transpose(1, 2).contiguous(), None
     layer = key
     if layer.frozen and query.shape[2] == 1:  # fixed-shape buffers: one graph for every step
-        (k_new, v_new), layer.pending, layer.layer_input = layer.pending, None, None
+        k_new, v_new, _ = layer.take_staged()
         out = layer.static.decode_step(
             query, k_new, v_new, attention_mask.padding, attention_mask.extra_rule, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
@@ -295,10 +276,10 @@ def _attend_and_commit(layer, query, attention_mask: MaskSpec, scaling: float, s
     commit = (attention_mask.valid(start, start + k_new.shape[2]), position_ids, {"queries": query})
     compiled = store.pipeline.compile and store.pipeline.selector is None
     if query.shape[2] == 1 and store.n_encoded and compiled and not layer.simulated:
-        out, fp_attention = _compiled_decode(query, store, k_new, v_new, attention_mask, scaling, softcap)
-        window = store.pipeline.window
-        layer.commit(*commit, attention=fp_attention[None] if window and window.reads_attention else None)
-        return out
+        mask = None if attention_mask.causal else attention_mask.dense(1, start + 1, query.device)
+        k, v, inputs = layer.take_staged()
+        return store.decode_step(query, k, v, mask, scaling, softcap, valid=commit[0], positions=position_ids,
+                                 inputs={**commit[2], **inputs})
     if store.n_encoded and store.pipeline.selector is not None and not layer.simulated:
         out = _sparse(query, store, k_new, v_new, attention_mask, scaling, softcap)
         layer.commit(*commit)

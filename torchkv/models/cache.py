@@ -71,18 +71,22 @@ class TorchKVLayer(CacheLayerMixin):
         self.pending = (key_states, value_states)
         return self, self
 
+    def take_staged(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The staged keys and values `[B, H, T, D]` and the model-side tensors that go with them ({"x": the layer
+        input} where the patch staged it), handed over: nothing is staged after."""
+        (k, v), self.pending = self.pending, None
+        inputs = {} if self.layer_input is None else {"x": self.layer_input}
+        self.layer_input = None
+        return k, v, inputs
+
     def commit(
         self, valid: torch.Tensor | None, positions: torch.Tensor | None, inputs: dict,
         attention: torch.Tensor | None = None,
     ) -> None:
         """Move the staged tokens into the store (called by the attention function after attending;
         `attention` as `KVStore.append` takes it)."""
-        k, v = self.pending
-        self.pending = None
-        if self.layer_input is not None:
-            inputs = {**inputs, "x": self.layer_input}
-            self.layer_input = None
-        self.store.append(k, v, valid=valid, positions=positions, inputs=inputs, attention=attention)
+        k, v, staged = self.take_staged()
+        self.store.append(k, v, valid=valid, positions=positions, inputs={**inputs, **staged}, attention=attention)
 
     def freeze(self) -> None:
         """Move the store's tokens into the fixed-capacity buffers (after a prompt; eager)."""

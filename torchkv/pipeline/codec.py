@@ -2,13 +2,15 @@
 compile boundary: `Codec.run` decides whether a call runs eagerly or through `torch.compile` (CPU Inductor, or
 Inductor with the Triton kernel of `ops.triton_decode` on CUDA)."""
 
+import dataclasses
 import math
+import warnings
 
 import torch
 
-from torchkv._compat import own_cache, recompile_headroom
+from torchkv._compat import mark_dynamic, own_cache, recompile_headroom
 from torchkv.ops import triton_decode
-from torchkv.pipeline.chain import Chain, side_inputs
+from torchkv.pipeline.chain import Chain, decode_pair, side_inputs
 from torchkv.pipeline.state import prefixed, substate
 from torchkv.transforms.quantizers import UniformQuantize
 
@@ -38,6 +40,8 @@ class Codec:
         self.keys, self.values, self.carries, self.compile = keys, values, carries, compile
         self.compiled: dict[str, object] = {}
         self.eager_calls: dict[str, int] = {}
+        self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
+        self._kernel_warned = False  # `warn_without_kernel` says it once
 
     def encode(self, k, v, params, prepared, valid, inputs):
         """Keys and values `[B, H, T, D]` -> one flat state ("k."/"v." entries; "carry.k"/"carry.v" when `carries`)."""
@@ -131,6 +135,78 @@ class Codec:
         )
         fp_attention = torch.exp(s_fp - lse[..., None]).mean((0, 1))  # [F]
         return out.reshape(b, hq, 1, d), fp_attention, {}
+
+    def attend_decode(self, q, encoded, k_fp, v_fp, mask, scale: float, softcap, params, prepared, inputs, live):
+        """One decode step of attention over encoded chunks and full-precision tokens, run by `run`.
+
+        Keys are scored from their stored form where the key chain allows it (`Chain.scores_stored`), else
+        rebuilt first (pre-RoPE keys, XQuant's rematerialization, cross-layer prediction); values are summed
+        in their stored form where the value chain allows it (`Chain.sums_stored`: packed codes, XQuant's
+        latents), else rebuilt. `fused` pipelines rebuild neither.
+
+        Args:
+            q: [B, Hq, 1, D]. encoded: state tensors viewed by chunk, `[B, *, NC, rows per chunk, ...]`.
+            k_fp, v_fp: [B, H, F, D], the full-precision tokens, which come after the encoded ones.
+            mask: [B or 1, 1, 1, NC·C + F] bool (True = attend), or None.
+            params: the layer's fitted parameters (`KVPipeline.layer_params`), to skip looking them up.
+            inputs: what rebuilding the encoded tokens reads (`decode_chunk`'s inputs for them).
+            live: 0-d tensor, the encoded tokens held (fixed-capacity buffers hold more slots); the GPU kernel
+                reads no slot past it. None: every encoded token is held.
+
+        Returns:
+            out: [B, Hq, 1, D], q's dtype.
+            fp_attention: [F] float32, each full-precision token's attention probability averaged over
+                batch rows and query heads (what a window policy reads).
+            carry: for pipelines that `carries`, this layer's reconstruction of the encoded tokens as
+                `decode_chunk` returns it (the next layer's "previous"); else empty.
+        """
+        k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()  # a window's view or a fresh tensor: one graph for both
+        for t in (*encoded.values(), k_fp, v_fp):
+            mark_dynamic(t, 2)  # one graph for every number of chunks and window size
+        for t in (inputs or {}).values():
+            mark_dynamic(t, 2 if t.dim() == 4 else 1)
+        if mask is not None:
+            mark_dynamic(mask, 3)
+        scaled = q.float() * scale  # a Python float argument would become a fresh tensor input at every call
+        out, fp_attention, carry = self.run("attend", scaled, dict(encoded), k_fp, v_fp, mask, softcap, dict(params),
+                                            dict(prepared or {}), dict(inputs or {}), live)
+        return out.to(q.dtype), fp_attention, carry
+
+    def encode_chunk(self, k, v, params, prepared, valid, inputs) -> dict[str, torch.Tensor]:
+        """`encode` run by `run`, one graph for any number of chunks (`KVPipeline.encode_chunk` checks the
+        arguments)."""
+        k, v = k.contiguous(), v.contiguous()  # a prompt's transposed projection or a window's view: one graph
+        for t in (k, v, valid, *(inputs or {}).values()):
+            if t is not None:
+                mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
+        return self.run("encode", k, v, dict(params), dict(prepared or {}), valid, dict(inputs or {}))
+
+    def decode_chunk(self, state, head_dim: int, params, prepared, inputs):
+        """`decode` run by `run`, one graph for any number of tokens."""
+        for t in (*state.values(), *(inputs or {}).values()):
+            mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
+        return self.run("decode", dict(state), head_dim, dict(params), dict(prepared or {}), dict(inputs or {}))
+
+    def decode_rows(self, state, head_dim: int, params, prepared, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode` of encoded rows gathered from anywhere in the history (eager), their token-grouped metadata
+        expanded to one row per token: token-grouped transforms decode with groups of 1."""
+        if self._row_chains is None:
+            self._row_chains = tuple(
+                Chain([type(t)(**{**dataclasses.asdict(t.config), "group": 1}) if t.token_multiple > 1 else t
+                       for t in chain.transforms])
+                for chain in (self.keys, self.values)
+            )
+        return decode_pair(*self._row_chains, state, head_dim, params, prepared, inputs)
+
+    def warn_without_kernel(self, name: str, head_dim: int) -> None:
+        """On CUDA, say once (outside compiled code) when decode attention of pipeline `name` has no GPU kernel."""
+        if self._kernel_warned or torch.compiler.is_compiling():
+            return
+        refusal = self.kernel_refusal(head_dim)
+        if refusal is not None:
+            warnings.warn(f"pipeline '{name}': decode attention has no GPU kernel for its stored form ({refusal}); it "
+                          "runs Inductor's reductions over the stored form, which are slower", stacklevel=3)
+        self._kernel_warned = True
 
     def kernel_refusal(self, head_dim: int = 128) -> str | None:
         """Why decode attention on a GPU cannot run the Triton kernel over KIVI's stored form (`ops.triton_decode`)

@@ -2,9 +2,7 @@
 with its tokens. Encoding and decode attention run in its `Codec`; persistence is `pipeline.io`; presets are
 `pipeline.presets`; fitting to a model is `torchkv.fit`/`torchkv.tune`, which `fit`/`tune` delegate to."""
 
-import dataclasses
 import math
-import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,10 +12,9 @@ import torch
 
 from torchkv import registry
 from torchkv import window as windows
-from torchkv._compat import mark_dynamic
-from torchkv.pipeline import bits, io, presets
+from torchkv.pipeline import bits, describe, fitted, io, presets
 from torchkv.pipeline.bits import BitsPerValue
-from torchkv.pipeline.chain import Chain, decode_pair, shared_chains
+from torchkv.pipeline.chain import Chain, shared_chains
 from torchkv.pipeline.codec import Codec
 from torchkv.pipeline.state import prefixed, substate
 from torchkv.transforms import ProjectionWeights, Transform
@@ -85,11 +82,9 @@ class KVPipeline:
         self.residual, self.sinks, self.chunk, self.window, self.compile = residual, sinks, chunk, window, compile
         self.name = "custom"
         self.options: dict[str, Any] = {}
-        self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
         self._layer_pipes: dict[tuple, KVPipeline] = {}  # built by `for_layer`, by chains and window rules
         #: pipelines `for_model` derived from this one, by model, then by window rules and `compile`
         self.specialized: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._kernel_warned = False  # `attend_decode` on CUDA says once when no kernel reads the stored form
 
     @property
     def compile(self) -> bool | str:
@@ -133,14 +128,6 @@ class KVPipeline:
             self._layer_pipes[key] = pipe
         pipe.name, pipe.options, pipe.compile = self.name, self.options, self.compile
         return pipe
-
-    def layer_groups(self, num_layers: int) -> list[tuple[list[int], Chain, Chain]]:
-        """`(layers, keys, values)` for each distinct pair of chains among a model's `num_layers` layers."""
-        groups: dict[int, tuple[list[int], Chain, Chain]] = {}
-        for layer in range(num_layers):
-            keys, values = self.layer_chains.get(layer, (self.keys, self.values))
-            groups.setdefault(id(keys), ([], keys, values))[0].append(layer)
-        return list(groups.values())
 
     # -- presets -------------------------------------------------------------------------------------
 
@@ -187,37 +174,7 @@ class KVPipeline:
     def explain(self, num_layers: int | None = None) -> str:
         """How compiled decode attention reads each layer's history, one line per group of layers read alike:
         keys scored and values summed from the stored form, or rebuilt every step (and why)."""
-        def reading(pipe: "KVPipeline") -> str:
-            parts = []
-            sides = (("keys", pipe.keys, "scores", "scored"), ("values", pipe.values, "sums", "summed"))
-            for side, chain, use, verb in sides:
-                why = chain.rebuilds[use]
-                if not self.compile:
-                    why = "compile=False runs decode attention eagerly over rebuilt tokens"
-                elif self.selector is not None:
-                    why = "sparse attention gathers the chunks it selects and rebuilds them"
-                elif self.carries and side == "keys" and why is None:
-                    why = "the pipeline predicts across layers, and the next layer reads this one's rebuilt keys"
-                parts.append(f"{side} {verb} from the stored form" if why is None else f"{side} rebuilt: {why}")
-            refusal = pipe.kernel_refusal()
-            parts.append("on CUDA the Triton kernel over KIVI's layout" if refusal is None
-                         else f"on CUDA no GPU kernel ({refusal}), Inductor's reductions")
-            return "; ".join(parts)
-
-        last = num_layers or max(self.layer_chains, default=-1) + 2
-        lines: list[tuple[int, int | None, str]] = []
-        for layer in range(last):
-            text = reading(self.for_layer(layer))
-            if lines and lines[-1][2] == text:
-                lines[-1] = (lines[-1][0], layer, text)
-            else:
-                lines.append((layer, layer, text))
-        if num_layers is None:
-            lines[-1] = (lines[-1][0], None, lines[-1][2])  # the main chains serve every later layer
-        if len(lines) == 1:
-            return f"every layer: {lines[0][2]}"
-        return "\n".join(f"layer {a}: {t}" if a == b else f"layers {a}-{'' if b is None else b}: {t}"
-                         for a, b, t in lines)
+        return describe.explain(self, num_layers)
 
     def kernel_refusal(self, head_dim: int = 128) -> str | None:
         """Why decode attention on a GPU cannot run the Triton kernel over KIVI's stored form (`ops.triton_decode`)
@@ -239,51 +196,13 @@ class KVPipeline:
         inputs: Mapping[str, torch.Tensor] | None = None,
         live: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """One compiled decode step of attention over encoded chunks and full-precision tokens.
-
-        Keys are scored from their stored form where the key chain allows it (`Chain.scores_stored`), else
-        rebuilt first (pre-RoPE keys, XQuant's rematerialization, cross-layer prediction); values are summed
-        in their stored form where the value chain allows it (`Chain.sums_stored`: packed codes, XQuant's
-        latents), else rebuilt. `fused` pipelines rebuild neither.
-
-        Args:
-            q: [B, Hq, 1, D]. encoded: state tensors viewed by chunk, `[B, *, NC, rows per chunk, ...]`.
-            k_fp, v_fp: [B, H, F, D], the full-precision tokens, which come after the encoded ones.
-            mask: [B or 1, 1, 1, NC·C + F] bool (True = attend), or None.
-            params: the layer's fitted parameters (`layer_params(layer)`), to skip looking them up.
-            inputs: what rebuilding the encoded tokens reads (`decode_chunk`'s inputs for them).
-            live: 0-d tensor, the encoded tokens held (fixed-capacity buffers hold more slots); the GPU kernel
-                reads no slot past it. None: every encoded token is held.
-
-        Returns:
-            out: [B, Hq, 1, D], q's dtype.
-            fp_attention: [F] float32, each full-precision token's attention probability averaged over
-                batch rows and query heads (what a window policy reads).
-            carry: for pipelines that `carries`, this layer's reconstruction of the encoded tokens as
-                `decode_chunk` returns it (the next layer's "previous"); else empty.
-        """
-        k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()  # a window's view or a fresh tensor: one graph for both
-        for t in (*encoded.values(), k_fp, v_fp):
-            mark_dynamic(t, 2)  # one graph for every number of chunks and window size
-        for t in (inputs or {}).values():
-            mark_dynamic(t, 2 if t.dim() == 4 else 1)
-        if mask is not None:
-            mark_dynamic(mask, 3)
-        if q.is_cuda and not self._kernel_warned and not torch.compiler.is_compiling():
-            refusal = self.kernel_refusal(q.shape[-1])
-            if refusal is not None:
-                warnings.warn(f"pipeline '{self.name}': decode attention has no GPU kernel for its stored form "
-                              f"({refusal}); it runs Inductor's reductions over the stored form, which are slower",
-                              stacklevel=2)
-            self._kernel_warned = True
-        # a Python float argument would become a fresh tensor input at every call
-        scaled = q.float() * scale
-        out, fp_attention, carry = self.codec.run(
-            "attend", scaled, dict(encoded), k_fp, v_fp, mask, softcap,
-            self.layer_params(layer) if params is None else dict(params), dict(prepared or {}), dict(inputs or {}),
-            live,
-        )
-        return out.to(q.dtype), fp_attention, carry
+        """One compiled decode step of attention over encoded chunks and full-precision tokens of `layer`
+        (`params`: its fitted parameters, to skip looking them up); arguments and returns as
+        `Codec.attend_decode`."""
+        if q.is_cuda:
+            self.codec.warn_without_kernel(self.name, q.shape[-1])
+        params = self.layer_params(layer) if params is None else params
+        return self.codec.attend_decode(q, encoded, k_fp, v_fp, mask, scale, softcap, params, prepared, inputs, live)
 
     def encode_chunk(
         self,
@@ -307,10 +226,6 @@ class KVPipeline:
         _check_kv(k, v)
         if k.shape[2] % self.chunk:
             raise ValueError(f"encode_chunk got {k.shape[2]} tokens; it takes a multiple of chunk={self.chunk}")
-        k, v = k.contiguous(), v.contiguous()  # a prompt's transposed projection or a window's view: one graph
-        for t in (k, v, valid, *(inputs or {}).values()):
-            if t is not None:
-                mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
         if "x" in self.requires and "x" not in (inputs or {}):
             raise ValueError(f"pipeline '{self.name}' caches a function of the layer input: pass inputs['x'], "
                              "[batch, tokens, hidden], the attention block's input for these tokens")
@@ -319,8 +234,8 @@ class KVPipeline:
                 f"pipeline '{self.name}' encodes with per-sequence state from the prompt: call "
                 "prepared = pipe.prepare(k, v, inputs=...) on the prompt first and pass prepared=prepared"
             )
-        params = self.layer_params(layer) if params is None else dict(params)
-        return self.codec.run("encode", k, v, params, dict(prepared or {}), valid, dict(inputs or {}))
+        params = self.layer_params(layer) if params is None else params
+        return self.codec.encode_chunk(k, v, params, prepared, valid, inputs)
 
     def decode_chunk(
         self,
@@ -334,72 +249,26 @@ class KVPipeline:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of `encode_chunk`: `(k, v)`, each `[B, H, T, head_dim]` float32; pipelines that `carries`
         return `(k, v, carry)` with `carry` {"k", "v"} as `encode_chunk` describes."""
-        for t in (*state.values(), *(inputs or {}).values()):
-            mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
-        params = self.layer_params(layer) if params is None else dict(params)
-        return self.codec.run("decode", dict(state), head_dim, params, dict(prepared or {}), dict(inputs or {}))
+        params = self.layer_params(layer) if params is None else params
+        return self.codec.decode_chunk(state, head_dim, params, prepared, inputs)
 
     @property
     def selector(self) -> Transform | None:
         """The key transform that picks the encoded tokens each attention step reads (sparse attention)."""
         return self.keys.selector
 
-    def decode_rows(
-        self,
-        state: Mapping[str, torch.Tensor],
-        head_dim: int,
-        prepared: Mapping[str, torch.Tensor],
-        inputs: Mapping[str, torch.Tensor],
-        params: Mapping[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode_chunk` of encoded rows gathered from anywhere in the history (eager), their token-grouped
-        metadata expanded to one row per token: token-grouped transforms decode with groups of 1."""
-        if self._row_chains is None:
-            self._row_chains = tuple(
-                Chain([type(t)(**{**dataclasses.asdict(t.config), "group": 1}) if t.token_multiple > 1 else t
-                       for t in chain.transforms])
-                for chain in (self.keys, self.values)
-            )
-        return decode_pair(*self._row_chains, state, head_dim, params, prepared, inputs)
-
     # -- accounting ----------------------------------------------------------------------------------
 
     def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0, layers: int = 1) -> BitsPerValue:
         """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors and
-        averaged over a model's first `layers` layers (each encoded by its own chains, `layers`); with `layers=1`
-        and per-layer chains, those of the main chains."""
-        if layers == 1 and self.layer_chains:
-            main = next(i for i in range(len(self.layer_chains) + 1) if i not in self.layer_chains)
-            return bits.measure(self, kv_heads, head_dim, seed, main)
-        measured: dict[int, BitsPerValue] = {}
-        per_layer = []
-        for i in range(layers):
-            pipe = self.for_layer(i)
-            if id(pipe) not in measured:
-                measured[id(pipe)] = bits.measure(pipe, kv_heads, head_dim, seed, i)
-            per_layer.append(measured[id(pipe)])
-        return BitsPerValue(sum(b.keys for b in per_layer) / layers, sum(b.values for b in per_layer) / layers)
+        averaged over a model's first `layers` layers (`pipeline.bits.bits_per_value`)."""
+        return bits.bits_per_value(self, kv_heads, head_dim, seed, layers)
 
     # -- persistence ---------------------------------------------------------------------------------
 
     def config(self) -> dict[str, Any]:
-        """The JSON configuration `save_pretrained` writes."""
-        return {
-            "format": "torchkv.KVPipeline",
-            "version": io.FORMAT_VERSION,
-            "name": self.name,
-            "options": self.options,
-            "residual": self.residual,
-            "sinks": self.sinks,
-            "chunk": self.chunk,
-            "window": None if self.window is None else self.window.spec(),
-            "keys": [t.spec() for t in self.keys.transforms],
-            "values": [t.spec() for t in self.values.transforms],
-            "layers": {str(layer): {"keys": [t.spec() for t in k.transforms], "values": [t.spec() for t in v.transforms]}
-                       for layer, (k, v) in self.layer_chains.items()},
-            "fitted_for": self.fitted_for,
-            "tuned_for": self.tuned_for,
-        }
+        """The JSON configuration `save_pretrained` writes (`pipeline.io.config`)."""
+        return io.config(self)
 
     def layer_params(self, layer: int) -> dict[str, torch.Tensor]:
         """Fitted parameters of one layer, keyed "k.{i}.{name}" / "v.{i}.{name}"."""
@@ -420,15 +289,8 @@ class KVPipeline:
         return chains
 
     def params(self) -> dict[str, torch.Tensor]:
-        """Calibrated parameters of every transform (what `save_pretrained` writes), keyed "k.{i}.{name}" /
-        "v.{i}.{name}" ("layer{n}." before those of the chains layer n is the first to have, `layers`). Parameters a transform derives
-        from the model's weights are left out: `for_model` derives them again."""
-        out = {}
-        for prefix, chain in self.chains():
-            for i, t in enumerate(chain.transforms):
-                if not t.fits_weights:
-                    out.update(prefixed(t.params, f"{prefix}{i}."))
-        return out
+        """Calibrated parameters of every transform, what `save_pretrained` writes (`pipeline.io.params`)."""
+        return io.params(self)
 
     def borrowed_params(self) -> frozenset[str]:
         """Names in `layer_params` that are views of the model's own weights (no memory of their own)."""
@@ -452,39 +314,19 @@ class KVPipeline:
         `torchkv.models.weights.specialize`."""
         return registry.delegate("for_model")(self, model)
 
-    def _to_fit(self) -> list[Transform]:
+    def to_fit(self) -> list[Transform]:
+        """The transforms that need calibration (`fit`), whether fitted yet or not."""
         return [t for t in self.keys.transforms + self.values.transforms if t.needs_fit]
 
     @property
     def needs_fit(self) -> bool:
         """Some transform must be calibrated (`fit`) before the pipeline is used."""
-        return bool(self._to_fit())
+        return bool(self.to_fit())
 
     def check_fitted(self, num_layers: int, fingerprint: dict[str, Any]) -> None:
-        """Raise a clear error unless every transform that needs calibration is fitted, and the per-layer chains
-        of a tuned pipeline were chosen, for this model.
-
-        Args:
-            num_layers: decoder layers of the model the cache is for.
-            fingerprint: `torchkv.models.arch.fingerprint(model)` of that model.
-        """
-        if self.tuned_for is not None and self.tuned_for != fingerprint:
-            raise ValueError(f"pipeline '{self.name}' was tuned for another model "
-                             f"({_differences(self.tuned_for, fingerprint)}); tune it for this one: "
-                             f"`torchkv tune --preset {self.name} --budget BITS --out DIR`")
-        unfitted = self._to_fit()
-        if not unfitted:
-            return
-        how = (f"calibrate it first: pipe.fit(model, texts), or `torchkv calibrate --preset {self.name} --out DIR` "
-               "and load DIR")
-        if self.fitted_for is None:
-            raise ValueError(f"pipeline '{self.name}' has uncalibrated transforms {unfitted}; {how}")
-        if self.fitted_for != fingerprint:
-            raise ValueError(f"pipeline '{self.name}' was calibrated for another model "
-                             f"({_differences(self.fitted_for, fingerprint)}); {how}")
-        missing = [layer for layer in range(1, num_layers) for t in unfitted if not t.layer_params(layer)]
-        if missing:
-            raise ValueError(f"pipeline '{self.name}' has no fitted parameters for layers {sorted(set(missing))}; {how}")
+        """Raise a clear error unless the transforms that need calibration are fitted, and a tuned pipeline's
+        per-layer chains chosen, for the model of `num_layers` layers and `fingerprint` (`pipeline.fitted`)."""
+        fitted.check_fitted(self, num_layers, fingerprint)
 
     def fit(self, model, texts: list[str], **options: Any) -> dict[str, Any]:
         """Calibrate the transforms that need it on `model` over `texts` (AQUA-KV's predictors, Alg. 1): a thin
@@ -514,44 +356,10 @@ class KVPipeline:
 
     def load_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Set the transforms' parameters from `params()`'s output."""
-        for prefix, chain in self.chains():
-            for i, t in enumerate(chain.transforms):
-                t.params = substate(params, f"{prefix}{i}.")
+        io.load_params(self, params)
 
     def __repr__(self) -> str:
-        def chain(c: Chain) -> str:
-            return "[" + ", ".join(repr(t) for t in c.transforms) + "]"
-
-        groups: dict[int, list[int]] = {}
-        for layer, (keys, _) in self.layer_chains.items():
-            groups.setdefault(id(keys), []).append(layer)
-        return (
-            f"KVPipeline(name={self.name!r}, residual={self.residual}, sinks={self.sinks}, chunk={self.chunk}, "
-            f"window={self.window},\n"
-            f"  keys={chain(self.keys)},\n  values={chain(self.values)}"
-            + "".join(f",\n  layers {_ranges(layers)}: keys={chain(self.layer_chains[layers[0]][0])}, "
-                      f"values={chain(self.layer_chains[layers[0]][1])}" for layers in groups.values())
-            + ")"
-        )
-
-
-def _differences(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
-    """The fields two model fingerprints differ in, with both values."""
-    diff = sorted(k for k in {**expected, **actual} if expected.get(k) != actual.get(k))
-    return (f"differs in {diff}: expected { {k: expected.get(k) for k in diff} }, "
-            f"this model { {k: actual.get(k) for k in diff} }")
-
-
-def _ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
-    runs: list[list[int]] = []
-    for layer in sorted(layers):
-        if runs and runs[-1][1] == layer - 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
+        return describe.describe(self)
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("k", k), ("v", v)):

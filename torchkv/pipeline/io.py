@@ -9,15 +9,56 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from torchkv import window as windows
+from torchkv.pipeline.state import prefixed, substate
 from torchkv.transforms import build
 
 CONFIG_FILE = "torchkv_config.json"
 PARAMS_FILE = "torchkv_params.safetensors"
 FORMAT_VERSION = 1
+
+
+def config(pipe) -> dict[str, Any]:
+    """The JSON configuration `save_pretrained` writes."""
+    return {
+        "format": "torchkv.KVPipeline",
+        "version": FORMAT_VERSION,
+        "name": pipe.name,
+        "options": pipe.options,
+        "residual": pipe.residual,
+        "sinks": pipe.sinks,
+        "chunk": pipe.chunk,
+        "window": None if pipe.window is None else pipe.window.spec(),
+        "keys": [t.spec() for t in pipe.keys.transforms],
+        "values": [t.spec() for t in pipe.values.transforms],
+        "layers": {str(layer): {"keys": [t.spec() for t in k.transforms], "values": [t.spec() for t in v.transforms]}
+                   for layer, (k, v) in pipe.layer_chains.items()},
+        "fitted_for": pipe.fitted_for,
+        "tuned_for": pipe.tuned_for,
+    }
+
+
+def params(pipe) -> dict[str, torch.Tensor]:
+    """Calibrated parameters of every transform (what `save_pretrained` writes), keyed "k.{i}.{name}" /
+    "v.{i}.{name}" ("layer{n}." before those of the chains layer n is the first to have, `layers`). Parameters a transform derives
+    from the model's weights are left out: `for_model` derives them again."""
+    out = {}
+    for prefix, chain in pipe.chains():
+        for i, t in enumerate(chain.transforms):
+            if not t.fits_weights:
+                out.update(prefixed(t.params, f"{prefix}{i}."))
+    return out
+
+
+def load_params(pipe, params: Mapping[str, torch.Tensor]) -> None:
+    """Set the transforms' parameters from `params()`'s output."""
+    for prefix, chain in pipe.chains():
+        for i, t in enumerate(chain.transforms):
+            t.params = substate(params, f"{prefix}{i}.")
 
 
 def save(pipe, path: str | Path) -> None:
