@@ -386,7 +386,7 @@ class KVStore:
             inputs = {}
             if self.tracks_positions:
                 inputs["cos"], inputs["sin"] = self.rope(self.positions.gather(1, self.n_sinks + idx))
-            k, v = self.pipeline.codec.decode_rows(rows, self.head_dim, self.prepared, inputs, self.params)
+            k, v = self.pipeline.codec.decode_rows(rows, self.head_dim, self.params, self.prepared, inputs)
             ks.append(k[:, head])
             vs.append(v[:, head])
         return torch.stack(ks, 1).to(self.dtype), torch.stack(vs, 1).to(self.dtype)

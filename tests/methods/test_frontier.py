@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import torchkv
 import torchkv.transforms as T
 from torchkv.methods.frontier import PRESETS
-from torchkv.pipeline import Chain, KVPipeline
+from torchkv.pipeline import Chain, KVPipeline, LayerState
 from torchkv.testing import capture_kv, sqnr
 from torchkv.transforms import Context
 
@@ -73,8 +73,9 @@ def test_centring_removes_what_per_token_codes_would_spend_their_bits_on(offset,
     errors = {}
     for centred in (False, True):
         chain = Chain([*([T.predict("center")] if centred else []), T.quantize("higgs", bits=2, dim=4), T.pack()])
-        prepared = chain.prepare(k, {}, None, {}) if centred else {}
-        khat = chain.decode(chain.encode(k, {}, prepared, None, {}), 64, {}, prepared, {})
+        prepared = chain.prepare(k, LayerState({}, {}, {}), None) if centred else {}
+        own = LayerState({}, prepared, {})
+        khat = chain.decode(chain.encode(k, own, None), 64, own)
         errors[centred] = sqnr(k, khat)
     assert errors[True] > errors[False] + 6
 
@@ -91,7 +92,8 @@ def test_real_keys_quantize_better_on_the_4d_grid_and_decode_reads_them(smollm2)
         quality = {}
         for dim in (2, 4):
             chain = Chain([T.quantize("higgs", bits=2, dim=dim), T.pack()])
-            quality[dim] = sqnr(x, chain.decode(chain.encode(x, {}, {}, None, {}), 64, {}, {}, {}))
+            own = LayerState({}, {}, {})
+            quality[dim] = sqnr(x, chain.decode(chain.encode(x, own, None), 64, own))
         assert quality[4] > quality[2] + 0.3, quality
     with torchkv.patched(model, "frontier-2.5bit"), torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)

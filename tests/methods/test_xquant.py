@@ -14,7 +14,7 @@ import torchkv.transforms as T
 from torchkv.methods.xquant import key_outlier_channels, xquant, xquant_cl
 from torchkv.models import cache_argument
 from torchkv.ops import weight_factors
-from torchkv.pipeline import KVPipeline
+from torchkv.pipeline import KVPipeline, LayerState
 from torchkv.store import CrossLayer, KVStore
 from torchkv.testing import rope_tables, tiny_model
 from torchkv.transforms import Context, ProjectionWeights
@@ -234,11 +234,12 @@ def test_values_summed_in_the_latent_equal_sums_of_rematerialized_values(form, b
     t = chunks * chunk
     inputs = {"x": torch.randn(1, t, d, generator=g), "keys": torch.randn(1, 1, t, d, generator=g)}
     params = {n[2:]: p for n, p in pipe.layer_params(0).items() if n.startswith("v.")}
-    state = pipe.values.encode(torch.zeros(1, heads, t, head_dim), params, {}, None, inputs)
-    rebuilt = pipe.values.decode(state, head_dim, params, {}, inputs)  # [1, H, T, D]
+    own = LayerState(params, {}, inputs)
+    state = pipe.values.encode(torch.zeros(1, heads, t, head_dim), own, None)
+    rebuilt = pipe.values.decode(state, head_dim, own)  # [1, H, T, D]
     p = torch.rand(1, heads, 3, chunks, chunk, generator=g)
     by_chunk = {n: s.unflatten(2, (chunks, s.shape[2] // chunks)) for n, s in state.items()}
-    got = pipe.values.weighted_sum(p, by_chunk, head_dim, params, {}, inputs)
+    got = pipe.values.weighted_sum(p, by_chunk, head_dim, own)
     torch.testing.assert_close(got, p.flatten(-2) @ rebuilt, rtol=1e-4, atol=1e-4)
 
 

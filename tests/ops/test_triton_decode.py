@@ -12,6 +12,7 @@ import torchkv
 import torchkv.transforms as T
 from torchkv.models import cache_argument
 from torchkv.ops import triton_decode
+from torchkv.pipeline import LayerState
 from torchkv.testing import tiny_model
 
 pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="needs triton")
@@ -107,7 +108,7 @@ def test_pipeline_kernel_path_equals_the_inductor_path(c):
     softcap = c["softcap"] or None
     index = torch.arange(mask.shape[1], device=DEVICE)
     live_mask = mask & ((index < live) | (index >= c["chunks"] * pipe.chunk))[None]
-    args = (q.float(), encoded, kf, vf, live_mask[:, None, None], softcap, {}, {}, {})
+    args = (q.float(), encoded, kf, vf, live_mask[:, None, None], softcap, LayerState({}, {}, {}))
     with pytest.MonkeyPatch.context() as patch:  # a function-scoped fixture would outlive hypothesis' examples
         patch.setattr(triton_decode, "runs_on", lambda device: False)
         expected = pipe.codec.attend(*args)

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import torchkv.transforms as T
-from torchkv.pipeline import Chain
+from torchkv.pipeline import Chain, LayerState
 from torchkv.transforms import Context
 
 
@@ -100,8 +100,9 @@ def test_balanced_codes_score_closer_when_queries_weigh_the_small_key_channels(s
     errors = {}
     for balanced in (False, True):
         chain = Chain([*([T.project("balance")] if balanced else []), T.quantize("higgs", bits=2, dim=4), T.pack()])
-        prepared = chain.prepare(k, {}, None, {"queries": q}) if balanced else {}
-        khat = chain.decode(chain.encode(k, {}, prepared, None, {}), 64, {}, prepared, {})
+        prepared = chain.prepare(k, LayerState({}, {}, {"queries": q}), None) if balanced else {}
+        own = LayerState({}, prepared, {})
+        khat = chain.decode(chain.encode(k, own, None), 64, own)
         errors[balanced] = (q @ (khat - k).transpose(-1, -2)).square().mean()
     assert 10 * torch.log10(errors[False] / errors[True]) > 3
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import torchkv.transforms as T
 from torchkv import registry
-from torchkv.pipeline import COMPILE_OPTIONS, Chain
+from torchkv.pipeline import COMPILE_OPTIONS, Chain, LayerState
 from torchkv.transforms import Context, ProjectionWeights
 
 EXAMPLES = {
@@ -222,15 +222,16 @@ def test_scores_and_sums_read_from_the_stored_form_equal_the_reconstructions(cha
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, 8 * chunks, 32, generator=g) + 4 * torch.randn(32, generator=g)  # per-channel offsets
     queries = {"queries": torch.randn(2, 6, 8 * chunks, 32, generator=g) * torch.rand(32, generator=g).exp()}
-    prepared = chain.prepare(x, {}, None, queries) if chain.needs_prepare else {}
-    state = chain.encode(x, {}, prepared, None, {})
-    xhat = chain.decode(state, 32, {}, prepared, {})
+    prepared = chain.prepare(x, LayerState({}, {}, queries), None) if chain.needs_prepare else {}
+    own = LayerState({}, prepared, {})
+    state = chain.encode(x, own, None)
+    xhat = chain.decode(state, 32, own)
     by_chunk = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}
     q = torch.randn(2, 3, 4, 32, generator=g)
-    scores = chain.scores(q, by_chunk, 32, {}, prepared)
+    scores = chain.scores(q, by_chunk, 32, own)
     torch.testing.assert_close(scores.flatten(-2), q @ xhat.transpose(-1, -2), rtol=1e-4, atol=1e-4)
     p = torch.softmax(scores.flatten(-2), -1)
-    out = chain.weighted_sum(p.unflatten(-1, (chunks, -1)), by_chunk, 32, {}, prepared)
+    out = chain.weighted_sum(p.unflatten(-1, (chunks, -1)), by_chunk, 32, own)
     torch.testing.assert_close(out, p @ xhat, rtol=1e-4, atol=1e-5)
 
 

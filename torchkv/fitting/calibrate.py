@@ -23,7 +23,7 @@ from torchkv import registry
 from torchkv.models import arch
 from torchkv.ops import apply_rope, ridge_streamed
 from torchkv.ops.attention import attend_dense
-from torchkv.pipeline import KVPipeline
+from torchkv.pipeline import KVPipeline, LayerState
 
 CALIBRATE_NAME = "torchkv_calibrate"
 
@@ -174,7 +174,7 @@ def _fit_layer(pipe, layer, kv, carry, rope, key_predictor, value_predictor, alp
         out = []
         for (k_post, v), previous in zip(kv, carry or [{}] * len(kv)):
             inputs = {"cos": cos, "sin": sin, **{f"previous.{s}": t for s, t in previous.items()}}
-            state = layer_pipe.codec.encode(k_post, v, layer_pipe.layer_params(layer), {}, None, inputs)  # eager
+            state = layer_pipe.codec.encode(k_post, v, LayerState(layer_pipe.layer_params(layer), {}, inputs), None)  # eager
             out.append({s: state[f"carry.{s}"] for s in ("k", "v")})
         return out
 

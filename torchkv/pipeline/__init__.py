@@ -15,10 +15,10 @@ from torchkv.pipeline.codec import COMPILE_OPTIONS, Codec
 from torchkv.pipeline.definition import KVPipeline
 from torchkv.pipeline.io import CONFIG_FILE, FORMAT_VERSION, PARAMS_FILE
 from torchkv.pipeline.presets import DEFAULT_PRESET, parse_preset, presets
-from torchkv.pipeline.state import prefixed, substate
+from torchkv.pipeline.state import LayerState, prefixed, side_of, substate
 
 __all__ = [
     "BitsPerValue", "CONFIG_FILE", "COMPILE_OPTIONS", "CROSS_INPUTS", "Chain", "Codec", "DEFAULT_PRESET",
-    "FORMAT_VERSION", "KVPipeline", "PARAMS_FILE", "parse_preset", "prefixed", "presets",
+    "FORMAT_VERSION", "KVPipeline", "LayerState", "PARAMS_FILE", "parse_preset", "prefixed", "presets", "side_of",
     "substate",
 ]

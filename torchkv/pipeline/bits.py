@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from torchkv.pipeline.state import nbytes, substate
+from torchkv.pipeline.state import LayerState, nbytes, substate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ def measure(pipe, kv_heads: int, head_dim: int, seed: int, layer: int) -> BitsPe
     inputs = {n: t.to(device) for n, t in inputs.items()}
     with torch.no_grad():
         prepared = pipe.prepare(k, v, inputs=inputs) if pipe.needs_prepare else {}
-        state = pipe.codec.encode(k, v, params, prepared, None, inputs)  # eager: accounting only
+        state = pipe.codec.encode(k, v, LayerState(params, prepared, inputs), None)  # eager: accounting only
     n = k.numel()
     return BitsPerValue(8 * nbytes(substate(state, "k.")) / n, 8 * nbytes(substate(state, "v.")) / n)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from torchkv.ops import PLANAR_BITS
-from torchkv.pipeline.state import prefixed, substate
+from torchkv.pipeline.state import LayerState, prefixed, side_of, substate
 from torchkv.transforms import Context, Transform
 
 #: inputs a predict transform reads: the previous layer's reconstruction of the same tokens ("previous") and,
@@ -95,44 +95,39 @@ class Chain:
         """Some transform reads another layer's or the other chain's reconstruction (see `KVPipeline.carries`)."""
         return bool(CROSS_INPUTS & self.requires)
 
-    def _ctx(self, i: int, dim: int, params: Mapping, prepared: Mapping, valid=None, inputs=None) -> Context:
-        upstream = {k: v for j in range(i) for k, v in substate(prepared, f"{j}.").items()}
-        return Context(dim, substate(params, f"{i}."), substate(prepared, f"{i}."), valid, inputs or {}, upstream)
+    def _ctx(self, i: int, dim: int, own: LayerState, valid: torch.Tensor | None = None) -> Context:
+        upstream = {k: v for j in range(i) for k, v in substate(own.prepared, f"{j}.").items()}
+        return Context(dim, substate(own.params, f"{i}."), substate(own.prepared, f"{i}."), valid, own.inputs,
+                       upstream)
 
-    def scores(
-        self, q: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping
-    ) -> torch.Tensor:
+    def scores(self, q: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, own: LayerState) -> torch.Tensor:
         """Scores of `q: [B, H, g, dim]` against the encoded tokens (state viewed by chunk): [B, H, g, NC, C]
         (requires `scores_stored`)."""
-        q, offset = self.mapped_query(q, dim, params, prepared)
+        q, offset = self.mapped_query(q, dim, own)
         scores = self.transforms[self.reader].scores(q, state["out"], substate(state, f"{self.reader}."))
         return scores if offset is None else scores + offset[..., None]  # offset [B, H, g, 1, 1]
 
-    def mapped_query(
-        self, q: torch.Tensor, dim: int, params: Mapping, prepared: Mapping
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mapped_query(self, q: torch.Tensor, dim: int, own: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`q: [B, H, g, dim]` carried through the transforms before the reader: `(q', offset)` with
         `q·x = q'·y + offset` for y the reader's input; offset `[B, H, g, 1]` or None (requires `scores_stored`)."""
         dims, total = self.dims(dim), None
         for i, t in enumerate(self.transforms[: self.reader]):
-            ctx = self._ctx(i, dims[i], params, prepared)
+            ctx = self._ctx(i, dims[i], own)
             offset = t.score_offset(q, ctx)
             total = offset if total is None else total if offset is None else total + offset
             q = t.map_query(q, ctx)
         return q, total
 
     def weighted_sum(
-        self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, params: Mapping, prepared: Mapping,
-        inputs: Mapping[str, torch.Tensor] | None = None,
+        self, p: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, own: LayerState
     ) -> torch.Tensor:
         """`Σ_t p_t x̂_t` over the encoded tokens for `p: [B, H, g, NC, C]`: [B, H, g, dim] float32 (requires
         `sums_stored`)."""
         r, dims = self.reader, self.dims(dim)
-        ctx = self._ctx(r, dims[r], params, prepared, None, inputs)
-        out = self.transforms[r].weighted_sum(p, state["out"], substate(state, f"{r}."), ctx)
+        out = self.transforms[r].weighted_sum(p, state["out"], substate(state, f"{r}."), self._ctx(r, dims[r], own))
         total = p.sum((-2, -1))[..., None]
         for i in reversed(range(r)):
-            out = self.transforms[i].map_output(out, total, self._ctx(i, dims[i], params, prepared, None, inputs))
+            out = self.transforms[i].map_output(out, total, self._ctx(i, dims[i], own))
         return out
 
     def dims(self, dim: int) -> list[int]:
@@ -143,60 +138,44 @@ class Chain:
             dim = t.out_dim(dim)
         return sizes
 
-    def prepare(
-        self, x: torch.Tensor, params: Mapping, valid: torch.Tensor | None, inputs: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Per-sequence state of every transform that prepares, from the prompt's tensors `x: [B, H, T, F]`."""
+    def prepare(self, x: torch.Tensor, own: LayerState, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Per-sequence state of every transform that prepares, from the prompt's tensors `x: [B, H, T, F]`
+        (`own.prepared` is ignored: this builds it)."""
         last = max((i for i, t in enumerate(self.transforms) if t.needs_prepare), default=-1)
         prepared: dict[str, torch.Tensor] = {}
         for i, (t, dim) in enumerate(zip(self.transforms[: last + 1], self.dims(x.shape[-1]))):
-            ctx = self._ctx(i, dim, params, prepared, valid, inputs)
-            own = t.prepare(x, ctx)
-            prepared.update(prefixed(own, f"{i}."))
+            ctx = self._ctx(i, dim, own._replace(prepared=prepared), valid)
+            mine = t.prepare(x, ctx)
+            prepared.update(prefixed(mine, f"{i}."))
             if i < last:
-                x, _ = t.encode(x, dataclasses.replace(ctx, prepared=own))
+                x, _ = t.encode(x, dataclasses.replace(ctx, prepared=mine))
         return prepared
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        params: Mapping[str, torch.Tensor],
-        prepared: Mapping[str, torch.Tensor],
-        valid: torch.Tensor | None,
-        inputs: Mapping[str, torch.Tensor],
-    ) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, own: LayerState, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """`x: [B, H, T, F]` -> encoded state (tensors with batch at dim 0, tokens at dim 2)."""
         state: dict[str, torch.Tensor] = {}
         for i, (t, dim) in enumerate(zip(self.transforms, self.dims(x.shape[-1]))):
-            x, own = t.encode(x, self._ctx(i, dim, params, prepared, valid, inputs))
-            state.update(prefixed(own, f"{i}."))
+            x, mine = t.encode(x, self._ctx(i, dim, own, valid))
+            state.update(prefixed(mine, f"{i}."))
         state["out"] = x
         return state
 
-    def decode(
-        self,
-        state: Mapping[str, torch.Tensor],
-        dim: int,
-        params: Mapping[str, torch.Tensor],
-        prepared: Mapping[str, torch.Tensor],
-        inputs: Mapping[str, torch.Tensor],
-    ) -> torch.Tensor:
+    def decode(self, state: Mapping[str, torch.Tensor], dim: int, own: LayerState) -> torch.Tensor:
         """Encoded state -> `[B, H, T, dim]` float32."""
-        return self.decode_to(state, dim, params, prepared, inputs, 0)
+        return self.decode_to(state, dim, own, 0)
 
-    def decode_to(self, state, dim: int, params, prepared, inputs, stop: int) -> torch.Tensor:
+    def decode_to(self, state: Mapping[str, torch.Tensor], dim: int, own: LayerState, stop: int) -> torch.Tensor:
         """Decode the transforms from the last down to `stop`: the reconstruction of transform `stop`'s input."""
-        y = state["out"]
-        dims = self.dims(dim)
+        y, dims = state["out"], self.dims(dim)
         for i in reversed(range(stop, len(self.transforms))):
-            y = self.transforms[i].decode(y, substate(state, f"{i}."), self._ctx(i, dims[i], params, prepared, None, inputs))
+            y = self.transforms[i].decode(y, substate(state, f"{i}."), self._ctx(i, dims[i], own))
         return y.float()
 
-    def decode_below(self, y: torch.Tensor, stop: int, state, dim: int, params, prepared, inputs) -> torch.Tensor:
+    def decode_below(self, y: torch.Tensor, stop: int, state, dim: int, own: LayerState) -> torch.Tensor:
         """Finish a `decode_to(..., stop)`: decode transforms `stop - 1` down to 0."""
         dims = self.dims(dim)
         for i in reversed(range(stop)):
-            y = self.transforms[i].decode(y, substate(state, f"{i}."), self._ctx(i, dims[i], params, prepared, None, inputs))
+            y = self.transforms[i].decode(y, substate(state, f"{i}."), self._ctx(i, dims[i], own))
         return y.float()
 
     @property
@@ -205,10 +184,10 @@ class Chain:
         return next((t for t in self.transforms if hasattr(t, "select")), None)
 
 
-def decode_pair(keys: Chain, values: Chain, state, head_dim: int, params, prepared, inputs):
+def decode_pair(keys: Chain, values: Chain, state: Mapping[str, torch.Tensor], head_dim: int, layer: LayerState):
     """Keys and values `[B, H, T, head_dim]` from a pipeline's encoded state ("k."/"v." entries)."""
-    k = keys.decode(substate(state, "k."), head_dim, substate(params, "k."), substate(prepared, "k."), inputs)
-    v = values.decode(substate(state, "v."), head_dim, substate(params, "v."), substate(prepared, "v."), inputs)
+    k = keys.decode(substate(state, "k."), head_dim, side_of(layer, "k"))
+    v = values.decode(substate(state, "v."), head_dim, side_of(layer, "v"))
     return k, v
 
 

@@ -5,13 +5,14 @@ Inductor with the Triton kernel of `ops.triton_decode` on CUDA)."""
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 
 import torch
 
 from torchkv._compat import mark_dynamic, own_cache, recompile_headroom
 from torchkv.ops import triton_decode
 from torchkv.pipeline.chain import Chain, decode_pair, side_inputs
-from torchkv.pipeline.state import prefixed, substate
+from torchkv.pipeline.state import LayerState, prefixed, side_of, substate
 from torchkv.transforms.quantizers import UniformQuantize
 
 #: compiled code rounds through the stored metadata dtypes exactly as eager does
@@ -43,47 +44,44 @@ class Codec:
         self._row_chains: tuple[Chain, Chain] | None = None  # built by `decode_rows`
         self._kernel_warned = False  # `warn_without_kernel` says it once
 
-    def encode(self, k, v, params, prepared, valid, inputs):
+    def encode(self, k: torch.Tensor, v: torch.Tensor, layer: LayerState, valid: torch.Tensor | None):
         """Keys and values `[B, H, T, D]` -> one flat state ("k."/"v." entries; "carry.k"/"carry.v" when `carries`)."""
         if not self.carries:
-            return {
-                **prefixed(self.keys.encode(k, substate(params, "k."), substate(prepared, "k."), valid, inputs), "k."),
-                **prefixed(self.values.encode(v, substate(params, "v."), substate(prepared, "v."), valid, inputs), "v."),
-            }
+            return {**prefixed(self.keys.encode(k, side_of(layer, "k"), valid), "k."),
+                    **prefixed(self.values.encode(v, side_of(layer, "v"), valid), "v.")}
         # closed loop: each chain's reconstruction is what the value chain and the next layer read
         state, carry = {}, {}
         for side, chain, x in (("k", self.keys, k), ("v", self.values, v)):
-            own = side_inputs(inputs, side, carry.get("k"))
-            p, q = substate(params, f"{side}."), substate(prepared, f"{side}.")
-            encoded = chain.encode(x, p, q, valid, own)
-            carry[side] = chain.decode_to(encoded, x.shape[-1], p, q, own, chain.carry_index)
+            own = side_of(layer, side, side_inputs(layer.inputs, side, carry.get("k")))
+            encoded = chain.encode(x, own, valid)
+            carry[side] = chain.decode_to(encoded, x.shape[-1], own, chain.carry_index)
             state.update(prefixed(encoded, f"{side}."))
         return {**state, **prefixed(carry, "carry.")}
 
-    def decode_side(self, side: str, chain: Chain, state, head_dim: int, params, prepared, inputs, carry: dict):
+    def decode_side(self, side: str, chain: Chain, state, head_dim: int, layer: LayerState, carry: dict):
         """One chain's `[B, H, T, head_dim]` from its flat encoded state; in a cross-layer pipeline it reads the
         previous layer's reconstruction (and, values, `carry["k"]`) and records its own in `carry[side]`."""
-        s, p, q = substate(state, f"{side}."), substate(params, f"{side}."), substate(prepared, f"{side}.")
+        mine = substate(state, f"{side}.")
         if not self.carries:
-            return chain.decode(s, head_dim, p, q, inputs)
-        own = side_inputs(inputs, side, carry.get("k"))
-        carry[side] = chain.decode_to(s, head_dim, p, q, own, chain.carry_index)
-        return chain.decode_below(carry[side], chain.carry_index, s, head_dim, p, q, own)
+            return chain.decode(mine, head_dim, side_of(layer, side))
+        own = side_of(layer, side, side_inputs(layer.inputs, side, carry.get("k")))
+        carry[side] = chain.decode_to(mine, head_dim, own, chain.carry_index)
+        return chain.decode_below(carry[side], chain.carry_index, mine, head_dim, own)
 
-    def decode(self, state, head_dim, params, prepared, inputs):
+    def decode(self, state: Mapping[str, torch.Tensor], head_dim: int, layer: LayerState):
         """Flat state -> `(k, v)` `[B, H, T, head_dim]` float32, and `carry` when the pipeline `carries`."""
         carry = {}
-        k = self.decode_side("k", self.keys, state, head_dim, params, prepared, inputs, carry)
-        v = self.decode_side("v", self.values, state, head_dim, params, prepared, inputs, carry)
+        k = self.decode_side("k", self.keys, state, head_dim, layer, carry)
+        v = self.decode_side("v", self.values, state, head_dim, layer, carry)
         return (k, v, carry) if self.carries else (k, v)
 
-    def attend(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, inputs, live=None):
+    def attend(self, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live=None):
         """Decode attention of the scaled query `q` [B, Hq, 1, D] float32 over encoded chunks and full-precision
-        tokens: `(out [B, Hq, 1, D], fp_attention [F], carry)` (shapes as `KVPipeline.attend_decode`)."""
+        tokens: `(out [B, Hq, 1, D], fp_attention [F], carry)` (shapes as `attend_decode`)."""
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
         if triton_decode.runs_on(q.device) and self.kernel_refusal(d) is None:
-            return self.kernel_attend(q, encoded, k_fp, v_fp, mask, softcap, params, prepared, live)
+            return self.kernel_attend(q, encoded, k_fp, v_fp, mask, softcap, layer, live)
         qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
         flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
         carry: dict[str, torch.Tensor] = {}
@@ -93,9 +91,9 @@ class Codec:
         # (rotations) keeps mapping the query instead
         compiling = torch.compiler.is_compiling()
         if self.keys.scores_stored and not self.carries and (compiling or self.keys.reader > 0):
-            s_enc = self.keys.scores(qg, substate(encoded, "k."), d, substate(params, "k."), substate(prepared, "k."))
+            s_enc = self.keys.scores(qg, substate(encoded, "k."), d, side_of(layer, "k"))
         else:  # keys rebuilt: run eagerly, rematerialized (RoPE at each position) or predicted across layers
-            k_enc = self.decode_side("k", self.keys, flat, d, params, prepared, inputs, carry)  # [B, H, T, D]
+            k_enc = self.decode_side("k", self.keys, flat, d, layer, carry)  # [B, H, T, D]
             s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (encoded["k.out"].shape[2], -1))
         nc, c = s_enc.shape[-2:]
         scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
@@ -106,24 +104,23 @@ class Codec:
         p = torch.softmax(scores, -1)
         p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
         if self.values.sums_stored and (compiling or self.values.reader > 0):
-            own = side_inputs(inputs, "v", carry.get("k")) if self.carries else inputs
-            pv, qv = substate(params, "v."), substate(prepared, "v.")
-            out = self.values.weighted_sum(p_enc, substate(encoded, "v."), d, pv, qv, own)
+            own = side_of(layer, "v", side_inputs(layer.inputs, "v", carry.get("k")) if self.carries else None)
+            out = self.values.weighted_sum(p_enc, substate(encoded, "v."), d, own)
             if self.carries:
-                carry["v"] = self.values.decode_to(substate(flat, "v."), d, pv, qv, own, self.values.carry_index)
+                carry["v"] = self.values.decode_to(substate(flat, "v."), d, own, self.values.carry_index)
         else:
-            v_enc = self.decode_side("v", self.values, flat, d, params, prepared, inputs, carry)
+            v_enc = self.decode_side("v", self.values, flat, d, layer, carry)
             out = p_enc.flatten(-2) @ v_enc
         p_fp = p[..., nc * c :]  # [B, H, g, F]
         out = out + p_fp @ v_fp.float()
         return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
 
-    def kernel_attend(self, q, encoded, k_fp, v_fp, mask, softcap, params, prepared, live):
+    def kernel_attend(self, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live):
         """`attend` as one call of the Triton kernel over the KIVI-coded chunks (`kernel_refusal` is None)."""
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
         q_fp = q.reshape(b, h, hq // h, d).float()
-        q_enc, offset = self.keys.mapped_query(q_fp, d, substate(params, "k."), substate(prepared, "k."))
+        q_enc, offset = self.keys.mapped_query(q_fp, d, side_of(layer, "k"))
         bias = None if offset is None else offset.expand(b, h, hq // h, 1).reshape(b, hq)
         codes = {n: t.flatten(2, 3) for n, t in encoded.items()}  # [B, H, NC·rows per chunk, ...]
         kr, vr = self.keys.reader, self.values.reader
@@ -168,8 +165,8 @@ class Codec:
         if mask is not None:
             mark_dynamic(mask, 3)
         scaled = q.float() * scale  # a Python float argument would become a fresh tensor input at every call
-        out, fp_attention, carry = self.run("attend", scaled, dict(encoded), k_fp, v_fp, mask, softcap, dict(params),
-                                            dict(prepared or {}), dict(inputs or {}), live)
+        layer = LayerState(dict(params), dict(prepared or {}), dict(inputs or {}))
+        out, fp_attention, carry = self.run("attend", scaled, dict(encoded), k_fp, v_fp, mask, softcap, layer, live)
         return out.to(q.dtype), fp_attention, carry
 
     def encode_chunk(self, k, v, params, prepared, valid, inputs) -> dict[str, torch.Tensor]:
@@ -179,13 +176,14 @@ class Codec:
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
                 mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
-        return self.run("encode", k, v, dict(params), dict(prepared or {}), valid, dict(inputs or {}))
+        return self.run("encode", k, v, LayerState(dict(params), dict(prepared or {}), dict(inputs or {})), valid)
 
     def decode_chunk(self, state, head_dim: int, params, prepared, inputs):
         """`decode` run by `run`, one graph for any number of tokens."""
         for t in (*state.values(), *(inputs or {}).values()):
             mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
-        return self.run("decode", dict(state), head_dim, dict(params), dict(prepared or {}), dict(inputs or {}))
+        layer = LayerState(dict(params), dict(prepared or {}), dict(inputs or {}))
+        return self.run("decode", dict(state), head_dim, layer)
 
     def decode_rows(self, state, head_dim: int, params, prepared, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode` of encoded rows gathered from anywhere in the history (eager), their token-grouped metadata
@@ -196,7 +194,7 @@ class Codec:
                        for t in chain.transforms])
                 for chain in (self.keys, self.values)
             )
-        return decode_pair(*self._row_chains, state, head_dim, params, prepared, inputs)
+        return decode_pair(*self._row_chains, state, head_dim, LayerState(params, prepared, inputs))
 
     def warn_without_kernel(self, name: str, head_dim: int) -> None:
         """On CUDA, say once (outside compiled code) when decode attention of pipeline `name` has no GPU kernel."""

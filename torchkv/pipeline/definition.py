@@ -16,7 +16,7 @@ from torchkv.pipeline import bits, describe, fitted, io, presets
 from torchkv.pipeline.bits import BitsPerValue
 from torchkv.pipeline.chain import Chain, shared_chains
 from torchkv.pipeline.codec import Codec
-from torchkv.pipeline.state import prefixed, substate
+from torchkv.pipeline.state import LayerState, prefixed, side_of
 from torchkv.transforms import ProjectionWeights, Transform
 
 
@@ -160,11 +160,9 @@ class KVPipeline:
         inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-sequence state from the prompt's keys and values `[B, H, T, D]` (SVDq basis, SQuat subspace)."""
-        inputs, params = inputs or {}, self.layer_params(layer)
-        return {
-            **prefixed(self.keys.prepare(k, substate(params, "k."), valid, inputs), "k."),
-            **prefixed(self.values.prepare(v, substate(params, "v."), valid, inputs), "v."),
-        }
+        state = LayerState(self.layer_params(layer), {}, dict(inputs or {}))
+        return {**prefixed(self.keys.prepare(k, side_of(state, "k"), valid), "k."),
+                **prefixed(self.values.prepare(v, side_of(state, "v"), valid), "v.")}
 
     @property
     def fused(self) -> bool:

@@ -49,7 +49,8 @@ def describe(pipeline) -> str:
     for layer, (keys, _) in pipeline.layer_chains.items():
         groups.setdefault(id(keys), []).append(layer)
     return (
-        f"KVPipeline(name={pipeline.name!r}, residual={pipeline.residual}, sinks={pipeline.sinks}, chunk={pipeline.chunk}, "
+        f"KVPipeline(name={pipeline.name!r}, residual={pipeline.residual}, sinks={pipeline.sinks}, "
+        f"chunk={pipeline.chunk}, "
         f"window={pipeline.window},\n"
         f"  keys={chain(pipeline.keys)},\n  values={chain(pipeline.values)}"
         + "".join(f",\n  layers {ranges(layers)}: keys={chain(pipeline.layer_chains[layers[0]][0])}, "

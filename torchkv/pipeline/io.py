@@ -44,8 +44,8 @@ def config(pipe) -> dict[str, Any]:
 
 def params(pipe) -> dict[str, torch.Tensor]:
     """Calibrated parameters of every transform (what `save_pretrained` writes), keyed "k.{i}.{name}" /
-    "v.{i}.{name}" ("layer{n}." before those of the chains layer n is the first to have, `layers`). Parameters a transform derives
-    from the model's weights are left out: `for_model` derives them again."""
+    "v.{i}.{name}" ("layer{n}." before those of the chains layer n is the first to have, `layers`). Parameters a
+    transform derives from the model's weights are left out: `for_model` derives them again."""
     out = {}
     for prefix, chain in pipe.chains():
         for i, t in enumerate(chain.transforms):

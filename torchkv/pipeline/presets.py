@@ -20,7 +20,8 @@ def parse_preset(text: str) -> tuple[str, dict[str, Any]]:
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or not key.isidentifier():
-            raise ValueError(f"preset option {option!r} in {text!r} must be written key=value, e.g. kivi-2bit:residual=32")
+            raise ValueError(f"preset option {option!r} in {text!r} must be written key=value, "
+                             "e.g. kivi-2bit:residual=32")
         if key in overrides:
             raise ValueError(f"preset option {key!r} is given twice in {text!r}")
         try:

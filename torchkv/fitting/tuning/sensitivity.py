@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchkv._compat import config_head_dim
 from torchkv.models import arch
-from torchkv.pipeline import KVPipeline, substate
+from torchkv.pipeline import KVPipeline, LayerState, side_of
 from torchkv.store import flushed
 from torchkv.fitting.tuning.candidates import Candidate, candidates, tuned_chunk
 
@@ -115,16 +115,16 @@ def _reconstruct(pipe: KVPipeline, layer: int, probe: Probe, span: tuple[int, in
     x = {"k": probe.key, "v": probe.value}
     params = pipe.layer_params(layer)
     if side is not None and not pipe.carries:
-        chain, p = (pipe.keys, substate(params, "k.")) if side == "k" else (pipe.values, substate(params, "v."))
-        prepared = chain.prepare(x[side].float(), p, None, whole) if chain.needs_prepare else {}
-        target = x[side][:, :, start:end].float()
-        encoded = chain.encode(target, p, prepared, None, own)
-        return {side: chain.decode(encoded, target.shape[-1], p, prepared, own) - target}, {}
+        chain = pipe.keys if side == "k" else pipe.values
+        p = side_of(LayerState(params, {}, whole), side)
+        prepared = chain.prepare(x[side].float(), p, None) if chain.needs_prepare else {}
+        target, mine = x[side][:, :, start:end].float(), LayerState(p.params, prepared, own)
+        return {side: chain.decode(chain.encode(target, mine, None), target.shape[-1], mine) - target}, {}
     prepared = pipe.prepare(x["k"].float(), x["v"].float(), layer=layer, inputs=whole) if pipe.needs_prepare else {}
     k, v = (x[s][:, :, start:end].float() for s in ("k", "v"))
-    state = pipe.codec.encode(k, v, params, prepared, None, own)
+    state = pipe.codec.encode(k, v, LayerState(params, prepared, own), None)
     carry = {s: state.pop(f"carry.{s}") for s in ("k", "v") if f"carry.{s}" in state}
-    k_hat, v_hat, *_ = pipe.codec.decode(state, k.shape[-1], params, prepared, own)
+    k_hat, v_hat, *_ = pipe.codec.decode(state, k.shape[-1], LayerState(params, prepared, own))
     return {"k": k_hat - k, "v": v_hat - v}, carry
 
 
