@@ -115,18 +115,18 @@ class KVPipeline:
     def for_layer(self, layer: int) -> "KVPipeline":
         """The pipeline that encodes `layer`: this one, or for a layer with chains of its own (`layers`) a pipeline
         of those chains with the same window rules, one per distinct pair of chains (they carry their
-        reconstruction on when this pipeline predicts across layers)."""
+        reconstruction on when this pipeline predicts across layers). It takes this pipeline's name, options and
+        `compile` when it is made; one made under other rules or another `compile` is another pipeline."""
         chains = self.layer_chains.get(layer)
         if chains is None:
             return self
-        key = (id(chains[0]), *self.rules)  # a copy with other rules (simulated quantization) gets its own
+        key = (id(chains[0]), *self.rules, self.compile, self.name)
         pipe = self._layer_pipes.get(key)
         if pipe is None:
             pipe = KVPipeline(chains[0].transforms, chains[1].transforms, residual=self.residual, sinks=self.sinks,
-                              chunk=self.chunk, window=self.window)
-            pipe.carries = self.carries
+                              chunk=self.chunk, window=self.window, compile=self.compile)
+            pipe.carries, pipe.name, pipe.options = self.carries, self.name, self.options
             self._layer_pipes[key] = pipe
-        pipe.name, pipe.options, pipe.compile = self.name, self.options, self.compile
         return pipe
 
     # -- presets -------------------------------------------------------------------------------------
