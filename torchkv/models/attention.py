@@ -273,13 +273,14 @@ def _attend_and_commit(layer, query, attention_mask: MaskSpec, scaling: float, s
     store = layer.store
     k_new, v_new = layer.pending
     start = store.length
-    commit = (attention_mask.valid(start, start + k_new.shape[2]), position_ids, {"queries": query})
+    valid = attention_mask.valid(start, start + k_new.shape[2])
+    commit = (valid, position_ids, {"queries": query})
     compiled = store.pipeline.compile and store.pipeline.selector is None
     if query.shape[2] == 1 and store.n_encoded and compiled and not layer.simulated:
         mask = None if attention_mask.causal else attention_mask.dense(1, start + 1, query.device)
-        k, v, inputs = layer.take_staged()
-        return store.decode_step(query, k, v, mask, scaling, softcap, valid=commit[0], positions=position_ids,
-                                 inputs={**commit[2], **inputs})
+        k, v, staged = layer.take_staged()
+        return store.decode_step(query, k, v, mask, scaling, softcap, valid=valid, positions=position_ids,
+                                 inputs={"queries": query, **staged})
     if store.n_encoded and store.pipeline.selector is not None and not layer.simulated:
         out = _sparse(query, store, k_new, v_new, attention_mask, scaling, softcap)
         layer.commit(*commit)

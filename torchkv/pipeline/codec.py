@@ -165,8 +165,8 @@ class Codec:
         if mask is not None:
             mark_dynamic(mask, 3)
         scaled = q.float() * scale  # a Python float argument would become a fresh tensor input at every call
-        layer = LayerState(dict(params), dict(prepared or {}), dict(inputs or {}))
-        out, fp_attention, carry = self.run("attend", scaled, dict(encoded), k_fp, v_fp, mask, softcap, layer, live)
+        out, fp_attention, carry = self.run("attend", scaled, dict(encoded), k_fp, v_fp, mask, softcap,
+                                            _fresh(params, prepared, inputs), live)
         return out.to(q.dtype), fp_attention, carry
 
     def encode_chunk(self, k, v, params, prepared, valid, inputs) -> dict[str, torch.Tensor]:
@@ -176,14 +176,13 @@ class Codec:
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
                 mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
-        return self.run("encode", k, v, LayerState(dict(params), dict(prepared or {}), dict(inputs or {})), valid)
+        return self.run("encode", k, v, _fresh(params, prepared, inputs), valid)
 
     def decode_chunk(self, state, head_dim: int, params, prepared, inputs):
         """`decode` run by `run`, one graph for any number of tokens."""
         for t in (*state.values(), *(inputs or {}).values()):
             mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
-        layer = LayerState(dict(params), dict(prepared or {}), dict(inputs or {}))
-        return self.run("decode", dict(state), head_dim, layer)
+        return self.run("decode", dict(state), head_dim, _fresh(params, prepared, inputs))
 
     def decode_rows(self, state, head_dim: int, params, prepared, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode` of encoded rows gathered from anywhere in the history (eager), their token-grouped metadata
@@ -244,3 +243,8 @@ class Codec:
             self.compiled[name] = torch.compile(own_cache(fn), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
         with recompile_headroom():
             return self.compiled[name](*args)
+
+
+def _fresh(params, prepared, inputs) -> LayerState:
+    """A `LayerState` of plain dicts made for this call (None: empty), what the compiled functions take."""
+    return LayerState(dict(params), dict(prepared or {}), dict(inputs or {}))
