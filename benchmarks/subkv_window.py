@@ -47,7 +47,7 @@ def window_profile(model, ids: torch.Tensor, row: str, new_tokens: int) -> dict:
         "layers_grown": sum(limit > base for limit in limits),
         "decode_tokens_per_s": new_tokens / seconds,
         "cache_bytes": cache.nbytes(),
-        "window_bytes": sum(layer.store.res_k.untyped_storage().nbytes() + layer.store.res_v.untyped_storage().nbytes()
+        "window_bytes": sum(layer.store.recent.k.untyped_storage().nbytes() + layer.store.recent.v.untyped_storage().nbytes()
                             for layer in cache.layers),
     }
 

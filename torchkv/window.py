@@ -34,6 +34,22 @@ class DynamicWindow:
         oldest token (`p_edge`) and of the newest token (`p_new`)."""
         return p_edge >= p_new and limit < self.max_window
 
+    def flushed(self, attention: list[list[float]], held: int, sinks: int, limit: int, residual: int, chunk: int
+                ) -> tuple[int, int]:
+        """`(tokens to encode from the front, the new limit)` of a window of `held` tokens and `limit`, as new
+        tokens enter it one at a time. `attention[i]` is new token i's attention row over the sinks, the window
+        and the new tokens; each time the window is full, that row decides whether it grows or flushes."""
+        flushed = 0
+        for i, row in enumerate(attention):
+            n = held + i + 1 - flushed
+            if n < limit:
+                continue
+            if self.grows(row[sinks + flushed], row[sinks + held + i], limit):
+                limit += 1
+            else:
+                flushed += (n - residual) // chunk * chunk
+        return flushed, limit
+
     def spec(self) -> dict[str, Any]:
         return {"policy": "dynamic", "max_window": self.max_window}
 

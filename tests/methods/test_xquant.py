@@ -323,7 +323,7 @@ def test_prefill_and_token_by_token_store_the_same_codes():
         assert a.n_encoded == b.n_encoded and a.n_encoded % 32 == 0 and a.n_residual < 32 + 32
         for name in a.encoded:
             assert torch.equal(a.encoded[name], b.encoded[name]), name
-        torch.testing.assert_close(b.res_x[:, : b.n_residual], x[layer, :, b.n_encoded :])
+        torch.testing.assert_close(b.recent.x[:, : b.n_residual], x[layer, :, b.n_encoded :])
 
 
 # -- errors ---------------------------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Decode attention over packed codes equals attention over the reconstructed keys and values."""
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

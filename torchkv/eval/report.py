@@ -192,6 +192,39 @@ def _pareto_plot(results: dict, out_dir: Path, plt) -> Path | None:
     return path
 
 
+def _ppl_plot(results: dict, ref: dict, out_dir: Path, plt) -> Path:
+    """Perplexity increase (streaming, the first context) against measured bits per value: `ppl_vs_bits.png`."""
+    import matplotlib.ticker
+
+    ctx = next(iter(ref["ppl"]["streaming"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    drawn = []
+    for row in results["rows"]:
+        bits, value = cache_bits(results, row), row.get("ppl", {}).get("streaming", {}).get(ctx)
+        if row is ref or bits is None or value is None:
+            continue
+        increase = max(100 * (value / ref["ppl"]["streaming"][ctx] - 1), 1e-3)
+        drawn.append((row["name"], bits, increase))
+        marker = "s" if row["kind"] == "quanto" else "o"
+        ax.scatter(bits, increase, marker=marker, s=50)
+        ax.annotate(row["name"], (bits, increase), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    _draw_tuned(ax, drawn)
+    if tuned_curves(drawn):
+        ax.legend(fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_yscale("log")
+    ax.set_xlabel("measured bits per cached value (metadata and windows included)")
+    ax.set_ylabel("perplexity increase, %")
+    ax.set_title(f"Quality vs memory — {results['meta']['model']}, {ctx}-token documents, streaming")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "ppl_vs_bits.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plots(results: dict, out_dir: str | Path) -> list[Path]:
     """ppl increase vs bits per value, and decode tokens/s vs context length."""
     import matplotlib
@@ -205,33 +238,7 @@ def plots(results: dict, out_dir: str | Path) -> list[Path]:
     ref = _reference(results)
     written = []
     if ref and ref.get("ppl"):
-        ctx = next(iter(ref["ppl"]["streaming"]))
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        drawn = []
-        for row in results["rows"]:
-            bits, value = cache_bits(results, row), row.get("ppl", {}).get("streaming", {}).get(ctx)
-            if row is ref or bits is None or value is None:
-                continue
-            increase = max(100 * (value / ref["ppl"]["streaming"][ctx] - 1), 1e-3)
-            drawn.append((row["name"], bits, increase))
-            marker = "s" if row["kind"] == "quanto" else "o"
-            ax.scatter(bits, increase, marker=marker, s=50)
-            ax.annotate(row["name"], (bits, increase), textcoords="offset points", xytext=(5, 4), fontsize=8)
-        _draw_tuned(ax, drawn)
-        if tuned_curves(drawn):
-            ax.legend(fontsize=7)
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_yscale("log")
-        ax.set_xlabel("measured bits per cached value (metadata and windows included)")
-        ax.set_ylabel("perplexity increase, %")
-        ax.set_title(f"Quality vs memory — {results['meta']['model']}, {ctx}-token documents, streaming")
-        ax.grid(True, which="both", alpha=0.3)
-        fig.tight_layout()
-        path = out_dir / "ppl_vs_bits.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_ppl_plot(results, ref, out_dir, plt))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drew = False
     for row in results["rows"]:

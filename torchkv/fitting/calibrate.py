@@ -97,6 +97,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 @registry.register_delegate("fit")
+@torch.no_grad()  # the model runs for its keys and values only; nothing here is differentiated
 def fit_pipeline(
     pipe: KVPipeline,
     model: nn.Module,
@@ -133,17 +134,7 @@ def fit_pipeline(
     records: dict = {}
     report: dict[str, Any] = {"tokens": sum(b.numel() for b in batches), "seq_len": batches[0].shape[1], "layers": []}
     with _recording(model, records) as layers:
-        model(input_ids=batches[0], use_cache=False, logits_to_keep=1)  # every layer's call arguments
-        calls = [records[("call", i)][1] for i in range(len(layers))]
-        records.clear()
-        records["stop_at"] = 0
-        hidden = []
-        for b in batches:
-            with contextlib.suppress(_Stop):
-                model(input_ids=b, use_cache=False)
-            args, kwargs = records[("call", 0)]
-            hidden.append(args[0] if args else kwargs["hidden_states"])
-        del records["stop_at"]
+        calls, hidden = _layer_calls(model, batches, records, len(layers))
         carry: list[dict[str, torch.Tensor]] = []
         for layer_idx in tqdm(range(len(layers)), desc="calibrating", unit="layer", disable=not progress):
             kwargs = {k: v for k, v in calls[layer_idx].items() if k != "hidden_states"}
@@ -161,6 +152,23 @@ def fit_pipeline(
     report["seconds"] = time.perf_counter() - start
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report
+
+
+def _layer_calls(model: nn.Module, batches: list[torch.Tensor], records: dict, layers: int):
+    """`(calls, hidden)`: every layer's keyword arguments, recorded on the first batch, and the first layer's
+    input hidden states for each batch (the forward stops there)."""
+    model(input_ids=batches[0], use_cache=False, logits_to_keep=1)
+    calls = [records[("call", i)][1] for i in range(layers)]
+    records.clear()
+    records["stop_at"] = 0
+    hidden = []
+    for b in batches:
+        with contextlib.suppress(_Stop):
+            model(input_ids=b, use_cache=False)
+        args, kwargs = records[("call", 0)]
+        hidden.append(args[0] if args else kwargs["hidden_states"])
+    del records["stop_at"]
+    return calls, hidden
 
 
 def _fit_layer(pipe, layer, kv, carry, rope, key_predictor, value_predictor, alpha, report):

@@ -183,6 +183,7 @@ class Landmarks(Transform):
 
     Config = LandmarksConfig
     needs_prepare = True
+    selects = True
     prepares = frozenset({"landmarks", "coherence"})
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:

@@ -82,6 +82,7 @@ class WeightsProject(Transform):
     """
 
     Config = WeightsConfig
+    reads_stored = frozenset({"weighted_sum"})
     fits_weights = True
     rematerializes = True
 

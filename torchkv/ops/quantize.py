@@ -63,6 +63,20 @@ def _masked_reduce(
     return torch.where(vg.any(dim, keepdim=True), out, torch.zeros_like(out))
 
 
+def _symmetric_step(xg: torch.Tensor, vg: torch.Tensor | None, dim: int, bits: int, meta_dtype: torch.dtype,
+                    step: str) -> torch.Tensor:
+    """The stored step Δ of symmetric groups along `dim` of `xg` (valid elements `vg` only), keepdim, `meta_dtype`:
+    `κ_b·sqrt(mean x²)` for the "gaussian" step, else `2·max|x| / (2^b - 1)` rounded up."""
+    if step == "gaussian":
+        square = xg.square() if vg is None else torch.where(vg, xg.square(), 0.0)
+        count = xg.shape[dim] if vg is None else vg.sum(dim, keepdim=True).clamp_min(1)
+        rms = (square.sum(dim, keepdim=True) / count).sqrt()
+        # clamped: float8 e4m3 has no infinity, an overflow would store NaN
+        return (rms * GAUSSIAN_STEP[bits]).clamp(max=torch.finfo(meta_dtype).max).to(meta_dtype)
+    absmax = _masked_reduce(xg.abs(), vg, dim, torch.amax, 0.0)
+    return _round_toward(absmax * (2.0 / (2**bits - 1)), meta_dtype, down=False)
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -104,15 +118,7 @@ def quantize(
     if step not in STEPS or (step == "gaussian" and not symmetric):
         raise ValueError(f"step={step!r} is not supported; allowed: {STEPS} ('gaussian' with symmetric=True)")
     if symmetric:
-        if step == "gaussian":
-            square = xg.square() if vg is None else torch.where(vg, xg.square(), 0.0)
-            count = xg.shape[dim + 1] if vg is None else vg.sum(dim + 1, keepdim=True).clamp_min(1)
-            rms = (square.sum(dim + 1, keepdim=True) / count).sqrt()
-            # clamped: float8 e4m3 has no infinity, an overflow would store NaN
-            scale = (rms * GAUSSIAN_STEP[bits]).clamp(max=torch.finfo(meta_dtype).max).to(meta_dtype)
-        else:
-            absmax = _masked_reduce(xg.abs(), vg, dim + 1, torch.amax, 0.0)
-            scale = _round_toward(absmax * (2.0 / qmax), meta_dtype, down=False)
+        scale = _symmetric_step(xg, vg, dim + 1, bits, meta_dtype, step)
         step_ = scale.float()
         scaled = torch.where(step_ > 0, xg / step_, torch.zeros_like(xg)) + qmax / 2
         zero = None

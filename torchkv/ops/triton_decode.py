@@ -114,6 +114,78 @@ if triton is not None:
         return tl.reshape(planes, (BLOCK, (8 // BITS) * M_PAD))
 
     @triton.jit
+    def _scored(s, t, tmask, mask, mask_at, softcap, SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr):
+        """Scores s [G, BLOCK] of tokens `t`, soft-capped, -inf where masked out (`mask[mask_at + t]` == 0) or
+        past the end (`tmask`)."""
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        keep = tmask
+        if HAS_MASK:
+            keep = keep & (tl.load(mask + mask_at + t, mask=tmask, other=0) != 0)
+        return tl.where(keep[None, :], s, float("-inf"))
+
+    @triton.jit
+    def _encoded_scores(q, codes, ks, kz, extra, bh, t0, t, tmask, dk, dk_ok, TE,
+                        D: tl.constexpr, GK: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        """q · k [BLOCK_G, BLOCK] of one block of per-channel key codes [BLOCK, P·MK_PAD] (fp32), plus `extra`.
+        A block of GROUPS whole token groups folds each group's scale and zero into the query; any other block
+        dequantizes its keys."""
+        if GROUPS > 0:
+            ob = tl.arange(0, BLOCK)
+            s = tl.zeros([BLOCK_G, BLOCK], tl.float32)
+            for i in tl.static_range(GROUPS):
+                group = t0 // GK + i
+                meta = (bh * (TE // GK) + group) * D + dk
+                ok = dk_ok & (group * GK + 0 * dk < TE)  # the last block may pass the last group
+                scale = tl.load(ks + meta, mask=ok, other=0.0).to(tl.float32)
+                zero = tl.load(kz + meta, mask=ok, other=0.0).to(tl.float32)
+                part = tl.dot((q * scale[None, :]).to(DOT), tl.trans(codes.to(DOT)),
+                              input_precision=PRECISION) + (tl.sum(q * zero[None, :], 1) + extra)[:, None]
+                if GROUPS == 1:
+                    s = part
+                else:
+                    s = tl.where((ob // GK == i)[None, :], part, s)
+        else:
+            meta = (bh * (TE // GK) + t // GK)[:, None] * D + dk[None, :]
+            both = tmask[:, None] & dk_ok[None, :]
+            k = codes * tl.load(ks + meta, mask=both, other=0.0).to(tl.float32) + \
+                tl.load(kz + meta, mask=both, other=0.0).to(tl.float32)
+            s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION) + extra[:, None]
+        return s
+
+    @triton.jit
+    def _encoded_values(vc, vs, vz, row, tmask, dv, dv_ok, MV, D: tl.constexpr, GV: tl.constexpr,
+                        BITS_V: tl.constexpr, MV_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        """Values [BLOCK, P·MV_PAD] (fp32, planar column order) of token `row`s, dequantized per token group."""
+        meta = row[:, None] * (D // GV) + (dv // GV)[None, :]
+        both = tmask[:, None] & dv_ok[None, :]
+        return _codes(vc, row, tmask, MV, BITS_V, MV_PAD, BLOCK).to(tl.float32) * \
+            tl.load(vs + meta, mask=both, other=0.0).to(tl.float32) + \
+            tl.load(vz + meta, mask=both, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _full_precision_part(q_fp, kf, vf, s_fp, mask, mrow, softcap, m, l, acc, bh, hq, gmask, dv, dv_ok, TE, F,
+                             D: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        """The online softmax over the F full-precision tokens, which follow the TE encoded ones; their scores are
+        also written to `s_fp` [B·Hq, F] (what window policies read)."""
+        ob = tl.arange(0, BLOCK)
+        od = tl.arange(0, BLOCK_D)
+        q = tl.load(q_fp + hq[:, None] * D + od[None, :], mask=gmask[:, None] & (od < D)[None, :], other=0.0)
+        for t0 in range(0, F, BLOCK):
+            t = t0 + ob
+            tmask = t < F
+            rows = (bh * F + t)[:, None] * D
+            k = tl.load(kf + rows + od[None, :], mask=tmask[:, None] & (od < D)[None, :], other=0.0)
+            s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION)
+            s = _scored(s, t, tmask, mask, mrow + TE, softcap, SOFTCAP, HAS_MASK)
+            tl.store(s_fp + hq[:, None] * F + t[None, :], s, mask=gmask[:, None] & tmask[None, :])
+            v = tl.load(vf + rows + dv[None, :], mask=tmask[:, None] & dv_ok[None, :], other=0.0)
+            m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
+        return m, l, acc
+
+    @triton.jit
     def _split_kernel(
         q_enc, q_fp, kc, ks, kz, vc, vs, vz, kf, vf, mask, bias, live,
         part_o, part_m, part_l, s_fp,
@@ -124,6 +196,8 @@ if triton is not None:
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
         DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
+        """One split of one (batch row, KV head): its GQA group's partial softmax over encoded tokens [start, end),
+        or, for the last split, over the full-precision tokens."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -152,56 +226,14 @@ if triton is not None:
                 tmask = t < end
                 row = bh * TE + t  # token row of the [B·H, TE, ...] tensors
                 codes = _codes(kc, row, tmask, MK, BITS_K, MK_PAD, BLOCK).to(tl.float32)
-                if GROUPS > 0:  # the block holds GROUPS whole token groups: each one's scales fold into the query
-                    s = tl.zeros([BLOCK_G, BLOCK], tl.float32)
-                    for i in tl.static_range(GROUPS):
-                        group = t0 // GK + i
-                        meta = (bh * (TE // GK) + group) * D + dk
-                        ok = dk_ok & (group * GK + 0 * dk < TE)  # the last block may pass the last group
-                        scale = tl.load(ks + meta, mask=ok, other=0.0).to(tl.float32)
-                        zero = tl.load(kz + meta, mask=ok, other=0.0).to(tl.float32)
-                        part = tl.dot((q * scale[None, :]).to(DOT), tl.trans(codes.to(DOT)),
-                                      input_precision=PRECISION) + (tl.sum(q * zero[None, :], 1) + extra)[:, None]
-                        if GROUPS == 1:
-                            s = part
-                        else:
-                            s = tl.where((ob // GK == i)[None, :], part, s)
-                else:
-                    meta = (bh * (TE // GK) + t // GK)[:, None] * D + dk[None, :]
-                    both = tmask[:, None] & dk_ok[None, :]
-                    k = codes * tl.load(ks + meta, mask=both, other=0.0).to(tl.float32) + \
-                        tl.load(kz + meta, mask=both, other=0.0).to(tl.float32)
-                    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION) + extra[:, None]
-                if SOFTCAP:
-                    s = softcap * _tanh(s / softcap)
-                keep = tmask
-                if HAS_MASK:
-                    keep = keep & (tl.load(mask + mrow + t, mask=tmask, other=0) != 0)
-                s = tl.where(keep[None, :], s, float("-inf"))
-                meta = row[:, None] * (D // GV) + (dv // GV)[None, :]
-                both = tmask[:, None] & dv_ok[None, :]
-                v = _codes(vc, row, tmask, MV, BITS_V, MV_PAD, BLOCK).to(tl.float32) * \
-                    tl.load(vs + meta, mask=both, other=0.0).to(tl.float32) + \
-                    tl.load(vz + meta, mask=both, other=0.0).to(tl.float32)
+                s = _encoded_scores(q, codes, ks, kz, extra, bh, t0, t, tmask, dk, dk_ok, TE,
+                                    D, GK, GROUPS, BLOCK_G, BLOCK, DOT, PRECISION)
+                s = _scored(s, t, tmask, mask, mrow, softcap, SOFTCAP, HAS_MASK)
+                v = _encoded_values(vc, vs, vz, row, tmask, dv, dv_ok, MV, D, GV, BITS_V, MV_PAD, BLOCK)
                 m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
-        else:  # the full-precision tokens, which follow the encoded ones
-            od = tl.arange(0, BLOCK_D)
-            q = tl.load(q_fp + hq[:, None] * D + od[None, :], mask=gmask[:, None] & (od < D)[None, :], other=0.0)
-            for t0 in range(0, F, BLOCK):
-                t = t0 + ob
-                tmask = t < F
-                rows = (bh * F + t)[:, None] * D
-                k = tl.load(kf + rows + od[None, :], mask=tmask[:, None] & (od < D)[None, :], other=0.0)
-                s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION)
-                if SOFTCAP:
-                    s = softcap * _tanh(s / softcap)
-                keep = tmask
-                if HAS_MASK:
-                    keep = keep & (tl.load(mask + mrow + TE + t, mask=tmask, other=0) != 0)
-                s = tl.where(keep[None, :], s, float("-inf"))
-                tl.store(s_fp + hq[:, None] * F + t[None, :], s, mask=gmask[:, None] & tmask[None, :])
-                v = tl.load(vf + rows + dv[None, :], mask=tmask[:, None] & dv_ok[None, :], other=0.0)
-                m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
+        else:
+            m, l, acc = _full_precision_part(q_fp, kf, vf, s_fp, mask, mrow, softcap, m, l, acc, bh, hq, gmask, dv,
+                                             dv_ok, TE, F, D, HAS_MASK, SOFTCAP, BLOCK_D, BLOCK, DOT, PRECISION)
         parts = NSPLIT + 1
         at = hq * parts + split
         tl.store(part_m + at, m, mask=gmask)

@@ -28,7 +28,7 @@ class Chain:
             if not isinstance(t, Transform):
                 raise TypeError(f"a chain takes Transform objects, got {type(t).__name__}: {t!r}")
             if t.kind == "pack" and getattr(t.config, "bits", 0) is None:
-                source = next((p for p in reversed(resolved) if hasattr(p, "code_bits")), None)
+                source = next((p for p in reversed(resolved) if p.code_bits is not None), None)
                 if source is None:
                     raise ValueError(f"{t!r} needs a quantizer before it in the chain, or an explicit bits=")
                 t = type(t)(**{**dataclasses.asdict(t.config), "bits": source.code_bits})
@@ -40,7 +40,7 @@ class Chain:
                 )
             resolved.append(t)
         self.transforms = resolved
-        packed = len(resolved) > 1 and resolved[-1].kind == "pack" and getattr(resolved[-1], "planar", False)
+        packed = len(resolved) > 1 and resolved[-1].kind == "pack" and resolved[-1].planar
         #: the transform whose `scores`/`weighted_sum` read the stored output: the last one, or the one before a
         #: planar pack when it reads packed codes
         self.reader = len(resolved) - 1 - packed
@@ -63,13 +63,13 @@ class Chain:
         reader = self.transforms[self.reader]
         if reader.kind == "pack" and len(self.transforms) > 1:
             return f"{reader!r} is not a planar layout (one width among {PLANAR_BITS}), which decode reductions read"
-        if getattr(reader, "reads_packed", False) != packed:
+        if reader.reads_packed != packed:
             if packed:
                 return f"{reader!r} has no reduction over packed codes"
             return (f"{reader!r} reads codes in the planar layout, and they are not packed to one of its widths "
                     f"{PLANAR_BITS} by a pack after it")
         method, prefix = ("scores", "weighted_sum")[use == "sums"], self.transforms[: self.reader]
-        if not hasattr(reader, method):
+        if method not in reader.reads_stored:
             return f"{reader!r} has no {method} over its stored form"
         for t in prefix:
             if not (t.linear if use == "scores" else t.maps_output):
@@ -181,7 +181,7 @@ class Chain:
     @property
     def selector(self) -> Transform | None:
         """The transform that picks the encoded tokens each attention step reads (sparse attention), or None."""
-        return next((t for t in self.transforms if hasattr(t, "select")), None)
+        return next((t for t in self.transforms if t.selects), None)
 
 
 def decode_pair(keys: Chain, values: Chain, state: Mapping[str, torch.Tensor], head_dim: int, layer: LayerState):

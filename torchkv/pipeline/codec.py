@@ -5,7 +5,7 @@ Inductor with the Triton kernel of `ops.triton_decode` on CUDA)."""
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -165,7 +165,7 @@ class Codec:
         if mask is not None:
             mark_dynamic(mask, 3)
         scaled = q.float() * scale  # a Python float argument would become a fresh tensor input at every call
-        out, fp_attention, carry = self.run("attend", scaled, dict(encoded), k_fp, v_fp, mask, softcap,
+        out, fp_attention, carry = self.run(self.attend, scaled, dict(encoded), k_fp, v_fp, mask, softcap,
                                             _fresh(params, prepared, inputs), live)
         return out.to(q.dtype), fp_attention, carry
 
@@ -176,13 +176,13 @@ class Codec:
         for t in (k, v, valid, *(inputs or {}).values()):
             if t is not None:
                 mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of chunks
-        return self.run("encode", k, v, _fresh(params, prepared, inputs), valid)
+        return self.run(self.encode, k, v, _fresh(params, prepared, inputs), valid)
 
     def decode_chunk(self, state, head_dim: int, params, prepared, inputs):
         """`decode` run by `run`, one graph for any number of tokens."""
         for t in (*state.values(), *(inputs or {}).values()):
             mark_dynamic(t, 2 if t.dim() == 4 else 1)  # any number of tokens
-        return self.run("decode", dict(state), head_dim, _fresh(params, prepared, inputs))
+        return self.run(self.decode, dict(state), head_dim, _fresh(params, prepared, inputs))
 
     def decode_rows(self, state, head_dim: int, params, prepared, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode` of encoded rows gathered from anywhere in the history (eager), their token-grouped metadata
@@ -228,9 +228,10 @@ class Codec:
             return "a transform before the value quantizer, or one that changes the key size, is not in the kernel"
         return None
 
-    def run(self, name: str, *args):
-        """`getattr(self, name)(*args)`, eagerly or compiled as `compile` says (inside a whole-step graph: traced)."""
-        fn = getattr(self, name)
+    def run(self, fn: Callable, *args):
+        """`fn(*args)` (one of this codec's encode, decode, attend), eagerly or compiled as `compile` says (inside a
+        whole-step graph: traced). Each is compiled once, keyed by its name."""
+        name = fn.__name__
         if not self.compile or torch.compiler.is_compiling():  # inside a whole-step graph: traced into it
             return fn(*args)
         calls = self.eager_calls.get(name, 0)

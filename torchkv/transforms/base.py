@@ -153,6 +153,15 @@ class Transform:
     linear: ClassVar[bool] = False
     #: `scores`/`weighted_sum` read planar-packed codes (the chain must end with a planar pack after it)
     reads_packed: ClassVar[bool] = False
+    #: which of `scores` and `weighted_sum` the transform defines over its stored output
+    reads_stored: ClassVar[frozenset[str]] = frozenset()
+    #: picks the encoded tokens each decode step reads (`select`: sparse attention)
+    selects: ClassVar[bool] = False
+
+    @property
+    def code_bits(self) -> int | tuple[int, ...] | None:
+        """The width of the integer codes the transform emits (what a `pack.bits` after it packs); None: no codes."""
+        return None
 
     @property
     def maps_output(self) -> bool:

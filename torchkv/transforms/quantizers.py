@@ -90,6 +90,7 @@ class UniformQuantize(Transform):
 
     Config = UniformConfig
     reads_packed = True
+    reads_stored = frozenset({"scores", "weighted_sum"})
 
     @property
     def token_multiple(self) -> int:
@@ -192,6 +193,7 @@ class HiggsQuantize(Transform):
 
     Config = HiggsConfig
     reads_packed = True
+    reads_stored = frozenset({"scores", "weighted_sum"})
 
     def __init__(self, **config):
         super().__init__(**config)
@@ -271,6 +273,7 @@ class Cast(Transform):
     """Store in a floating dtype (fp16 is the no-compression reference; float32 is lossless): `x -> x.to(dtype)`."""
 
     Config = CastConfig
+    reads_stored = frozenset({"scores", "weighted_sum"})
 
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return x.to(CAST_DTYPES[self.config.dtype]), {}

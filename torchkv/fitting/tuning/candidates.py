@@ -58,7 +58,7 @@ def rewidth(chain: Chain, bits: int, group_scale: int = 1) -> list[Transform] | 
 
 
 def _label(transforms: list[Transform]) -> str:
-    quantizers = [t for t in transforms if t.kind == "quantize" and hasattr(t.config, "bits")]
+    quantizers = [t for t in transforms if t.kind == "quantize" and t.code_bits is not None]
     return "+".join(f"{t.name}{t.config.bits}" + (f"x{t.config.dim}" if t.name == "higgs" else "")
                     + (f"/g{t.config.group}" if isinstance(getattr(t.config, "group", None), int) else "")
                     for t in quantizers)
