@@ -404,3 +404,42 @@ def test_beam_search_crop_and_reorder(model, name):
             with torch.no_grad():  # and the cropped cache takes the next tokens
                 logits = model(ids[:, 100 - n :], **torchkv.models.cache_argument(model, cache)).logits
     assert cache.get_seq_length() == 100 and torch.isfinite(logits).all()
+
+
+# -- padded batches --------------------------------------------------------------------------------------------------
+
+def test_padding_a_cache_cannot_hold_row_by_row_is_refused_with_advice_to_left_pad(model):
+    ids = _ids(2, 60)
+    right = torch.ones_like(ids)
+    right[1, 50:] = 0
+    hole = torch.ones_like(ids)
+    hole[0, 20:25] = 0
+    empty = torch.ones_like(ids)
+    empty[1] = 0
+    with torchkv.patched(model, KVPipeline.from_preset("kivi-2bit", compile=False)), torch.no_grad():
+        for mask, message in ((right, "right padding"), (hole, "padding between tokens"), (empty, "all padding")):
+            with pytest.raises(ValueError, match=message):
+                model(ids, attention_mask=mask, **cache_argument(model, torchkv.new_cache(model)))
+        with pytest.raises(ValueError, match="left"):
+            model.generate(ids, attention_mask=right, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        # left padding is taken
+        left = torch.ones_like(ids)
+        left[1, :13] = 0
+        model(ids, attention_mask=left, **cache_argument(model, torchkv.new_cache(model)))
+
+
+@pytest.mark.parametrize("name", ["kivi-2bit", "frontier-2bit"])
+def test_beam_search_over_a_left_padded_batch_gives_each_row_its_beams_alone(model, name):
+    """Row groups follow beam search's reordering and repeated rows: each row's beams are its beams alone."""
+    pipe = KVPipeline.from_preset(name, compile=False, **SMALL_WINDOW[name])
+    rows = [_ids(1, 100, seed=1)[0], _ids(1, 71, seed=2)[0]]
+    ids = torch.zeros(2, 100, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, 100 - len(r):], mask[i, 100 - len(r):] = r, 1
+    with torchkv.patched(model, pipe):
+        both = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, num_beams=3,
+                              num_return_sequences=2)
+        for i, r in enumerate(rows):
+            alone = _generate(model, r[None], n=6, num_beams=3, num_return_sequences=2)
+            assert torch.equal(both[2 * i : 2 * i + 2, 100:], alone[:, len(r):]), (name, i)

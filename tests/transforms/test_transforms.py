@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchkv.transforms as T
@@ -176,6 +176,48 @@ def test_roundtrip_within_bound_and_concatenation(kind, name, cfg, seed, chunks,
     y_cat = torch.cat([p[0] for p in parts], 2)
     state_cat = {k: torch.cat([p[1][k] for p in parts], 2) for k in state}
     torch.testing.assert_close(t.decode(y_cat, state_cat, ctx), xhat, rtol=0, atol=0)
+
+
+def _with_pads(tensor: torch.Tensor, valid: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """`tensor` (token axis 1 of [B, T, R], 2 of [B, H, T, D]) with its pad tokens replaced by `fill`'s values."""
+    pads = ~valid[:, None, :, None] if tensor.dim() == 4 else ~valid[:, :, None]
+    return torch.where(pads, fill.expand_as(tensor).to(tensor.dtype), tensor)
+
+
+@pytest.mark.parametrize("kind,name,cfg", CASES, ids=lambda v: str(v))
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), pads=st.lists(st.integers(0, 63), min_size=1, max_size=3),
+       magnitude=st.sampled_from([0.0, 1e-3, 1.0, 1e3]))
+def test_pad_values_change_nothing_of_the_real_tokens(kind, name, cfg, seed, pads, magnitude):
+    """DESIGN: statistics (ranges, norms, scales, subspaces, bases, outliers) ignore padding. Left-padded rows
+    whose pad tokens hold other values (in the keys or values and in every model input) give the same prepared
+    state and the same reconstruction of every real token."""
+    t = registry.transform_class(kind, name)(**cfg)
+    batch, d, tokens = len(pads), 64, 64
+    x = _input(t, (batch, 3, tokens, d), seed)
+    valid = torch.arange(tokens)[None] >= torch.tensor(pads)[:, None]  # [B, T]: each row keeps a real token
+    inputs = _model_inputs(batch, tokens, d, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ctx = Context(dim=d, params=_params(t, d), inputs=inputs, upstream=_upstream(t, batch), valid=valid)
+    x = _consistent(t, x, ctx)
+
+    def reconstruct(x, inputs):
+        own = Context(dim=d, params=ctx.params, inputs=inputs, upstream=ctx.upstream, valid=valid)
+        prepared = t.prepare(x, own) if t.needs_prepare else {}
+        own = Context(dim=d, params=ctx.params, inputs=inputs, upstream=ctx.upstream, valid=valid, prepared=prepared)
+        y, state = t.encode(x, own)
+        return prepared, t.decode(y, state, own)
+
+    fill = _input(t, x.shape, seed + 2)
+    other_x = _with_pads(x, valid, fill if t.kind == "pack" else fill * magnitude)
+    other_inputs = {n: _with_pads(v, valid, torch.randn(v.shape, generator=g) * magnitude) for n, v in inputs.items()}
+    prepared, xhat = reconstruct(x, inputs)
+    other_prepared, other_xhat = reconstruct(other_x, other_inputs)
+    assert prepared.keys() == other_prepared.keys()
+    for n in prepared:
+        torch.testing.assert_close(other_prepared[n], prepared[n], rtol=0, atol=0, msg=f"prepared {n!r}")
+    real = valid[:, None, :, None].expand_as(xhat)
+    torch.testing.assert_close(other_xhat[real], xhat[real], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind,name,cfg", CASES, ids=lambda v: str(v))

@@ -53,7 +53,7 @@ def run_cell(preset: str, model_type: str) -> str | None:
     except (NotImplementedError, ValueError) as err:
         return str(err)
     cache = out.past_key_values
-    encoded = [layer.store.n_encoded for layer in cache.layers]
+    encoded = [min(store.n_encoded for store in layer.stores()) for layer in cache.layers]  # (row groups: each)
     if not all(n > 0 for n in encoded):
         raise RuntimeError(f"{preset} on {model_type}: a layer read no compressed token (tokens encoded: {encoded})")
     if not all(torch.isfinite(s).all() for s in out.scores):

@@ -92,6 +92,33 @@ class MaskSpec:
         is_left = torch.equal(self.padding, rows >= starts[:, None])
         return starts.tolist() if is_left else None
 
+    def check_storable(self, q_len: int, fresh: bool) -> None:
+        """Refuse padding a torchkv cache cannot hold as each row would be held alone: a row that is all padding,
+        padding between real tokens, or (on a `fresh` cache) padding after a row's tokens. Checked once per spec."""
+        if self.padding is None or "checked" in self._dense:
+            return
+        self._dense["checked"] = True
+        real = self.padding[:, : int(self.q_offset) + q_len]
+        empty = (~real.any(-1)).nonzero()[:, 0].tolist()
+        if empty:
+            raise ValueError(f"row(s) {empty} of the attention mask are all padding: a torchkv cache holds each row's "
+                             "own tokens and these have none; remove them from the batch")
+        started = real.int().cummax(-1).values.bool()  # from each row's first real token on
+        pads_after = started & ~real
+        holes = pads_after & real.flip(-1).int().cummax(-1).values.flip(-1).bool()  # before a later real token
+        if holes.any() or (fresh and pads_after.any()):
+            rows = (holes.any(-1) | pads_after.any(-1)).nonzero()[:, 0].tolist()
+            raise ValueError(
+                f"row(s) {rows} of the attention mask have padding after real tokens ("
+                f"{'padding between tokens' if holes.any() else 'right padding'}); torchkv caches take left-padded "
+                "batches, pads first then each row's tokens: pad on the left (tokenizer.padding_side = 'left')")
+
+    def for_rows(self, rows: torch.Tensor, strip: int, first_query: int) -> "MaskSpec":
+        """The spec of the queries from `first_query` on of batch rows `rows`, in positions that start after the
+        rows' first `strip` (the rule is shift-invariant: causal or sliding)."""
+        padding = None if self.padding is None else self.padding[rows.to(self.padding.device), strip:]
+        return MaskSpec(self.rule, padding, self.q_offset + first_query - strip)
+
     def valid(self, start: int, end: int) -> torch.Tensor | None:
         """[B, end - start] bool validity of the tokens at positions [start, end), or None."""
         return None if self.padding is None else self.padding[:, start:end]
@@ -261,10 +288,42 @@ def torchkv_attention(
         out = layer.static.decode_step(
             query, k_new, v_new, attention_mask.padding, attention_mask.extra_rule, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
+    if not torch.compiler.is_compiling():
+        attention_mask.check_storable(query.shape[2], fresh=not layer.get_seq_length() - layer.pending[0].shape[2])
     layer.thaw()
-    out = _attend_and_commit(layer, query, attention_mask, scaling, softcap, kwargs.get("position_ids"))
+    if layer.row_groups is None and attention_mask.padding is not None and not layer.store.length:
+        pads = attention_mask.left_padding()
+        if pads is not None:
+            layer.split_rows(pads)
+    if layer.row_groups is not None:
+        out = _attend_by_row_group(layer, query, attention_mask, scaling, softcap, kwargs.get("position_ids"))
+    else:
+        out = _attend_and_commit(layer, query, attention_mask, scaling, softcap, kwargs.get("position_ids"))
     layer.freeze()
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_by_row_group(layer, query, attention_mask: MaskSpec, scaling: float, softcap: float | None,
+                         position_ids):
+    """`_attend_and_commit` for each row group of a split layer over its own rows and tokens (the positions before
+    the group's `strip` are padding, whose outputs stay zero): `[B, Hq, Q, D]`."""
+    k_new, v_new, staged = layer.take_staged()
+    start = int(attention_mask.q_offset)
+    out = torch.zeros_like(query)
+    for group in layer.row_groups:
+        rows, cut = group.rows.to(query.device), max(0, group.strip - start)
+        if cut >= query.shape[2]:
+            continue
+        group.layer.update(k_new[rows, :, cut:], v_new[rows, :, cut:])
+        if "x" in staged:
+            group.layer.layer_input = staged["x"][rows, cut:]
+        positions = None
+        if position_ids is not None:
+            positions = position_ids[rows if position_ids.shape[0] > 1 else slice(None), cut:]
+        spec = attention_mask.for_rows(rows, group.strip, cut)
+        out[rows, :, cut:] = _attend_and_commit(group.layer, query[rows, :, cut:], spec, scaling, softcap, positions)
+    layer.grouped_length = start + query.shape[2]
+    return out
 
 
 def _attend_and_commit(layer, query, attention_mask: MaskSpec, scaling: float, softcap: float | None, position_ids):

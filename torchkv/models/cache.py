@@ -12,6 +12,7 @@ tensor code. Such a cache `is_compileable`: a whole decode step (model and cache
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -20,6 +21,14 @@ from torchkv.ops.attention import PREFILL_KERNELS
 from torchkv.pipeline import KVPipeline
 from torchkv.static_store import StaticKVStore, static_refusal
 from torchkv.store import CrossLayer, KVStore, RopeFn
+
+
+class RowGroup(NamedTuple):
+    """Rows of a left-padded batch held by one layer of their own (`TorchKVLayer.split_rows`)."""
+
+    rows: torch.Tensor  # [b] long: the batch rows, in the group layer's order
+    strip: int  # leading tokens, padding in every one of these rows, that the group's layer does not hold
+    layer: "TorchKVLayer"
 
 
 class TorchKVLayer(CacheLayerMixin):
@@ -39,9 +48,18 @@ class TorchKVLayer(CacheLayerMixin):
         cross_layer: CrossLayer | None = None,
         max_cache_len: int | None = None,
         layers_after: int = 0,
+        group_cross_layers: dict | None = None,
     ):
         super().__init__()
         self.store = KVStore(pipeline, layer_idx, rope, cross_layer)
+        self._settings = (pipeline, layer_idx, rope, is_sliding, simulated, prefill_kernel)
+        #: a left-padded batch's rows in groups, each held by a layer of its own as its rows would be held alone
+        #: (`split_rows`); None while the batch is held by `store`
+        self.row_groups: list[RowGroup] | None = None
+        self.grouped_length = 0  # positions the batch holds while split, pads included
+        #: rows -> the CrossLayer their groups share across the cache's layers (cross-layer pipelines)
+        self.group_cross_layers = {} if group_cross_layers is None else group_cross_layers
+        self.num_layers = None if cross_layer is None else cross_layer.num_layers
         #: fixed-capacity buffers, which hold the tokens while `frozen` (decode steps), or None
         self.static = None if max_cache_len is None else StaticKVStore(self.store.pipeline, max_cache_len,
                                                                         layers_after)
@@ -54,6 +72,36 @@ class TorchKVLayer(CacheLayerMixin):
         #: [B, T, d] the attention block's input for the staged tokens, when the pipeline reads it
         #: (set by the attention pre-hook `patch` installs)
         self.layer_input: torch.Tensor | None = None
+
+    def split_rows(self, pads: list[int]) -> bool:
+        """Hold a left-padded batch (`pads`: each row's pad count) in row groups whose tokens are counted from their
+        rows' first real token: rows whose pads differ by whole chunks share a group (rows with equal pads, for
+        pipelines with sinks; each row alone where a window policy averages attention over a group's rows), which
+        drops the pads its rows share. Each row is then encoded as it would be alone (statistics ignore the pads that
+        remain). Only before the first token, on growing stores; False when nothing would change (one group, no pad
+        to drop)."""
+        pipe = self.store.pipeline
+        alone = pipe.window is not None and pipe.window.reads_attention  # one decision per group (SubKV)
+        keys: dict = {}
+        for row, p in enumerate(pads):
+            keys.setdefault(row if alone else p if pipe.sinks else p % pipe.chunk, []).append(row)
+        if self.static is not None or self.store.length or (len(keys) == 1 and not min(pads)):
+            return False
+        pipeline, layer_idx, rope, is_sliding, simulated, kernel = self._settings
+        self.row_groups = []
+        for rows in keys.values():
+            cross = None
+            if self.num_layers is not None:
+                cross = self.group_cross_layers.setdefault(tuple(rows), CrossLayer(self.num_layers))
+            layer = TorchKVLayer(pipeline, layer_idx, rope, is_sliding, simulated, kernel, cross)
+            layer.is_initialized, layer.dtype, layer.device = True, self.dtype, self.device
+            index = torch.tensor(rows, device=self.device)
+            self.row_groups.append(RowGroup(index, min(pads[r] for r in rows), layer))
+        return True
+
+    def stores(self) -> list["KVStore | StaticKVStore"]:
+        """The stores that hold the tokens: the layer's own, or each row group's."""
+        return [self.held] if self.row_groups is None else [g.layer.held for g in self.row_groups]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -109,6 +157,8 @@ class TorchKVLayer(CacheLayerMixin):
         """Tokens held; a 0-d tensor while frozen (as transformers' static layers do), so that compiled steps
         do not specialise on it."""
         staged = 0 if self.pending is None else self.pending[0].shape[2]
+        if self.row_groups is not None:
+            return self.grouped_length + staged
         if self.frozen:
             return self.static.buffers["length"] + staged
         return self.store.length + staged
@@ -125,7 +175,9 @@ class TorchKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.store.reset()
         self.frozen = False
-        self.pending = self.layer_input = None
+        self.pending = self.layer_input = self.row_groups = None
+        self.grouped_length = 0
+        self.group_cross_layers.clear()
 
     def _edit(self, edit: Callable[[KVStore], None]) -> None:
         """Apply an edit to the store, with the tokens moved back into it for the edit if frozen."""
@@ -135,7 +187,20 @@ class TorchKVLayer(CacheLayerMixin):
         if frozen:
             self.freeze()
 
+    def _select_rows(self, select: torch.Tensor) -> None:
+        """Make new row i the old row `select[i]` in every row group (beam search, repeated rows)."""
+        groups = []
+        for group in self.row_groups:
+            member = select.to(group.rows.device)[:, None] == group.rows[None, :]  # [new rows, group rows]
+            rows = member.any(1).nonzero()[:, 0]
+            if len(rows):
+                group.layer.reorder_cache(member[rows].int().argmax(1))
+                groups.append(RowGroup(rows, group.strip, group.layer))
+        self.row_groups = groups
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.row_groups is not None:
+            return self._select_rows(torch.as_tensor(beam_idx))
         self._edit(lambda store: store.reorder(beam_idx))
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -144,13 +209,18 @@ class TorchKVLayer(CacheLayerMixin):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number, the count of tokens to remove from the end"
             )
+        for group in self.row_groups or []:
+            group.layer.crop(tokens_to_remove)
+        self.grouped_length = max(0, self.grouped_length + tokens_to_remove)
         self._edit(lambda store: store.crop(-tokens_to_remove))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.row_groups is not None:
+            return self._select_rows(torch.arange(sum(len(g.rows) for g in self.row_groups)).repeat_interleave(repeats))
         self._edit(lambda store: store.repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._edit(lambda store: store.reorder(torch.as_tensor(indices)))
+        self.reorder_cache(torch.as_tensor(indices))
 
     def __getattr__(self, name: str):
         # only reached for attributes a layer lacks: an attention function other than torchkv's reading the
@@ -200,6 +270,7 @@ class TorchKVCache(Cache):
             raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
         sliding = sliding or [False] * num_layers
         cross_layer = CrossLayer(num_layers) if pipeline.carries else None
+        group_cross_layers: dict = {}
         if max_cache_len is not None:
             reasons = {static_refusal(pipeline.for_layer(i)) for i in range(num_layers)} - {None}
             if simulated:
@@ -212,7 +283,7 @@ class TorchKVCache(Cache):
         devices = devices or [None] * num_layers
         layers = [
             TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel,
-                         cross_layer, max_cache_len, devices[i + 1 :].count(devices[i]))
+                         cross_layer, max_cache_len, devices[i + 1 :].count(devices[i]), group_cross_layers)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
@@ -233,11 +304,11 @@ class TorchKVCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes of storage of every tensor held by every layer."""
-        return sum(layer.held.nbytes() for layer in self.layers)
+        return sum(store.nbytes() for layer in self.layers for store in layer.stores())
 
     def encoded_bits_per_value(self) -> float:
         """Stored bits per encoded key or value over all layers, metadata included."""
-        stores = [layer.held for layer in self.layers if layer.held.n_encoded]
+        stores = [store for layer in self.layers for store in layer.stores() if store.n_encoded]
         if not stores:
             return float("nan")
         bits = sum(s.encoded_bits_per_value() * s.n_encoded for s in stores)

@@ -1,0 +1,109 @@
+"""A padded row against the same request alone: greedy tokens and log-probabilities, per preset.
+
+A left-padded batch of held-out Wikipedia prompts of different lengths generates `--new-tokens` greedy tokens; each
+prompt then generates alone. Per row: how many leading tokens match and the largest |Δ log-prob| of any token at any
+step. Rows: `DynamicCache` (the model's own batch noise), each preset with its row groups (a padded row held as it
+would be alone), measured in the same run: the same preset held as one store over the padded batch (what torchkv
+did before row groups), and on fixed-capacity caches (`max_cache_len`), which hold no row groups.
+
+    python benchmarks/batch_invariance.py --out benchmarks/results/batch_invariance.json
+"""
+
+import argparse
+import contextlib
+import time
+
+import torch
+from transformers import DynamicCache
+
+import torchkv
+from torchkv.corpora import documents
+from torchkv.eval.runner import write_benchmark
+from torchkv.models import cache_argument
+from torchkv.models.cache import TorchKVLayer
+from torchkv.pipeline import KVPipeline
+
+
+def _greedy(model, ids, mask, tokens: int, cache=None):
+    extra = {} if cache is None else cache_argument(model, cache)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                         pad_token_id=2, return_dict_in_generate=True, output_scores=True, **extra)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1).float().log_softmax(-1)
+
+
+@contextlib.contextmanager
+def _one_store():
+    """Row groups off: the padded batch held by one store per layer."""
+    split = TorchKVLayer.split_rows
+    TorchKVLayer.split_rows = lambda self, pads: False
+    try:
+        yield
+    finally:
+        TorchKVLayer.split_rows = split
+
+
+def _compare(model, rows, tokens: int, dynamic: bool, fixed: bool = False) -> dict:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+
+    def cache(width: int):
+        if fixed:
+            return torchkv.new_cache(model, max_cache_len=width + tokens)
+        return DynamicCache(config=model.config) if dynamic else None
+
+    start = time.perf_counter()
+    batch_tokens, batch_logprobs = _greedy(model, ids, mask, tokens, cache(width))
+    seconds = time.perf_counter() - start
+    out = []
+    for i, r in enumerate(rows):
+        alone_tokens, alone_logprobs = _greedy(model, r[None], torch.ones(1, len(r), dtype=torch.long), tokens,
+                                                 cache(len(r)))
+        differ = (batch_tokens[i] != alone_tokens[0]).nonzero()
+        matching = int(differ[0, 0]) if differ.numel() else tokens
+        steps = min(matching + 1, tokens)  # log-probs compared up to the first differing token
+        a, b = batch_logprobs[i, :steps], alone_logprobs[0, :steps]
+        delta = torch.where(a == b, 0.0, (a - b).abs()).amax(-1)  # (two -inf: a token the generation suppresses)
+        out.append({"prompt_tokens": len(r), "matching_tokens": matching, "max_abs_dlogprob": float(delta.max()),
+                    "median_step_max_abs_dlogprob": float(delta.median())})
+    return {"rows": out, "batch_generate_s": seconds}
+
+
+@torch.no_grad()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1000,650,371,170", help="prompt tokens of the batch's rows")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--presets", default="kivi-2bit,squat-2bit,subkv-2bit,frontier-2bit,svdq-2bit,xquant-2bit")
+    parser.add_argument("--fixed", default="kivi-2bit,frontier-2bit",
+                        help="presets also measured on fixed-capacity caches (max_cache_len), which hold no row groups")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--out", default="benchmarks/results/batch_invariance.json")
+    args = parser.parse_args(argv)
+    model, tokenizer = torchkv.load_model()
+    model = model.to(getattr(torch, args.dtype))
+    lengths = [int(n) for n in args.lengths.split(",")]
+    ids = documents(tokenizer, max(lengths), len(lengths))
+    rows = [ids[i, :n] for i, n in enumerate(lengths)]
+    results = [{"row": "dynamic", **_compare(model, rows, args.new_tokens, dynamic=True)}]
+    for name in args.presets.split(","):
+        pipe = KVPipeline.from_preset(name, compile=False)
+        with torchkv.patched(model, pipe):
+            results.append({"row": name, **_compare(model, rows, args.new_tokens, dynamic=False)})
+            with _one_store():
+                results.append({"row": f"{name} (one store)", **_compare(model, rows, args.new_tokens, False)})
+            if name in args.fixed.split(","):
+                results.append({"row": f"{name} (fixed capacity)", **_compare(model, rows, args.new_tokens, False, True)})
+    print(f"| row | {' | '.join(f'{n} tokens: matching, max abs dlogprob' for n in lengths)} | batch generate s |")
+    print("|---" * (len(lengths) + 2) + "|")
+    for r in results:
+        cells = [f"{c['matching_tokens']}/{args.new_tokens}, {c['max_abs_dlogprob']:.1e}" for c in r["rows"]]
+        print(f"| {r['row']} | {' | '.join(cells)} | {r['batch_generate_s']:.1f} |")
+    write_benchmark(args.out, "batch-invariance", results, lengths=lengths, new_tokens=args.new_tokens,
+                    dtype=args.dtype)
+
+
+if __name__ == "__main__":
+    main()
