@@ -105,8 +105,7 @@ class KVStore:
         self.chunks = EncodedChunks(self.pipeline.chunk)
         self.prepared: dict[str, torch.Tensor] = {}  # per-sequence state from the prompt
         self.params: dict[str, torch.Tensor] | None = None  # the layer's fitted parameters, on its device
-        pipe = self.pipeline
-        largest = pipe.residual + pipe.chunk if pipe.window is None else pipe.window.max_window
+        largest = self.window_limit if self.pipeline.window is None else self.pipeline.window.max_window
         self.recent = FullPrecisionWindow(largest, self.tracks_input)  # the residual window
         self.dtype: torch.dtype | None = None  # of the tokens appended
         self.kv_heads = self.head_dim = 0
