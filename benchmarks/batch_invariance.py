@@ -35,7 +35,7 @@ def _greedy(model, ids, mask, tokens: int, cache=None):
 def _one_store():
     """Row groups off: the padded batch held by one store per layer."""
     split = TorchKVLayer.split_rows
-    TorchKVLayer.split_rows = lambda self, pads: False
+    TorchKVLayer.split_rows = lambda self, pads: None
     try:
         yield
     finally:

@@ -67,6 +67,9 @@ def _check_rows_as_alone(model, pipeline: KVPipeline, rows: list[torch.Tensor], 
 
 PRESETS = ["kivi-2bit", "squat-2bit", "subkv-2bit", "frontier-2bit"]
 #: prompt lengths: each past the window, so chunks are encoded at different offsets of the padded batch
+#: hypothesis settings for examples that each generate through SmolLM2: no deadline, and no shrinking
+SLOW_EXAMPLES = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+                     phases=[Phase.explicit, Phase.reuse, Phase.generate])
 LENGTHS = st.lists(st.integers(165, 300), min_size=2, max_size=2, unique=True)
 
 
@@ -76,8 +79,7 @@ def _rows(tokenizer, lengths: list[int]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example takes a minute
+@settings(max_examples=1, **SLOW_EXAMPLES)
 @given(lengths=LENGTHS)
 def test_a_padded_row_generates_as_it_would_alone(smollm2_float64, preset, lengths):
     """16 greedy tokens equal and every step's log-probabilities equal (the slow suite: 64 tokens)."""
@@ -87,8 +89,7 @@ def test_a_padded_row_generates_as_it_would_alone(smollm2_float64, preset, lengt
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example takes a minute
+@settings(max_examples=3, **SLOW_EXAMPLES)
 @given(lengths=LENGTHS)
 def test_a_padded_row_generates_64_tokens_as_it_would_alone(smollm2_float64, preset, lengths):
     model, tokenizer = smollm2_float64

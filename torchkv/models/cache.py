@@ -59,7 +59,6 @@ class TorchKVLayer(CacheLayerMixin):
         self.grouped_length = 0  # positions the batch holds while split, pads included
         #: rows -> the CrossLayer their groups share across the cache's layers (cross-layer pipelines)
         self.group_cross_layers = {} if group_cross_layers is None else group_cross_layers
-        self.num_layers = None if cross_layer is None else cross_layer.num_layers
         #: fixed-capacity buffers, which hold the tokens while `frozen` (decode steps), or None
         self.static = None if max_cache_len is None else StaticKVStore(self.store.pipeline, max_cache_len,
                                                                         layers_after)
@@ -73,31 +72,32 @@ class TorchKVLayer(CacheLayerMixin):
         #: (set by the attention pre-hook `patch` installs)
         self.layer_input: torch.Tensor | None = None
 
-    def split_rows(self, pads: list[int]) -> bool:
+    def split_rows(self, pads: list[int]) -> None:
         """Hold a left-padded batch (`pads`: each row's pad count) in row groups whose tokens are counted from their
         rows' first real token: rows whose pads differ by whole chunks share a group (rows with equal pads, for
         pipelines with sinks; each row alone where a window policy averages attention over a group's rows), which
         drops the pads its rows share. Each row is then encoded as it would be alone (statistics ignore the pads that
-        remain). Only before the first token, on growing stores; False when nothing would change (one group, no pad
-        to drop)."""
-        pipe = self.store.pipeline
+        remain). Only before the first token, on growing stores; nothing changes where it would not help (one group,
+        no pad to drop)."""
+        if self.static is not None or self.store.length:
+            return
+        pipe, shared = self.store.pipeline, self.store.cross_layer
         alone = pipe.window is not None and pipe.window.reads_attention  # one decision per group (SubKV)
         keys: dict = {}
         for row, p in enumerate(pads):
             keys.setdefault(row if alone else p if pipe.sinks else p % pipe.chunk, []).append(row)
-        if self.static is not None or self.store.length or (len(keys) == 1 and not min(pads)):
-            return False
+        if len(keys) == 1 and not min(pads):
+            return
         pipeline, layer_idx, rope, is_sliding, simulated, kernel = self._settings
         self.row_groups = []
         for rows in keys.values():
             cross = None
-            if self.num_layers is not None:
-                cross = self.group_cross_layers.setdefault(tuple(rows), CrossLayer(self.num_layers))
+            if shared is not None:
+                cross = self.group_cross_layers.setdefault(tuple(rows), CrossLayer(shared.num_layers))
             layer = TorchKVLayer(pipeline, layer_idx, rope, is_sliding, simulated, kernel, cross)
             layer.is_initialized, layer.dtype, layer.device = True, self.dtype, self.device
             index = torch.tensor(rows, device=self.device)
             self.row_groups.append(RowGroup(index, min(pads[r] for r in rows), layer))
-        return True
 
     def stores(self) -> list["KVStore | StaticKVStore"]:
         """The stores that hold the tokens: the layer's own, or each row group's."""
