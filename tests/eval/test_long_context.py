@@ -64,7 +64,7 @@ def test_needle_grid_puts_the_reference_first_is_scored_only_and_drawn(calls, tm
         ("dynamic", 320, 0.5, False), ("dynamic", TOO_LONG, 0.5, True),
         ("kivi-2bit", 320, 0.5, False), ("kivi-2bit", TOO_LONG, 0.5, True)]
     run = [c for c in results["cells"] if "skipped" not in c]
-    assert all(c["accuracy"] in (0, 1) and c["logprob"] < 0 for c in run)
+    assert all(c["accuracy"] in (0, 1) and c["logprob"] < 0 and c["domain"] == "wiki" for c in run)
     paths = long_report.plots(results, tmp_path, "needle")
     assert [p.name for p in paths] == ["needle_accuracy.png", "needle_logprob.png"]
     assert all(p.stat().st_size > 0 for p in paths)
@@ -73,11 +73,25 @@ def test_needle_grid_puts_the_reference_first_is_scored_only_and_drawn(calls, tm
     assert [line.split(" |")[0] for line in table.splitlines() if line.startswith("| ") and "skip" in line] == [
         "| dynamic", "| kivi-2bit"]
 
+    calls.clear()  # another domain joins the same file: only its cells run, and each domain is reported apart
+    main(["eval", "--needle", "--presets", "kivi-2bit", "--lengths", f"{TOO_LONG},320", "--depths", "50",
+          "--samples", "1", "--domains", "wiki,code", "--out", str(out), "--no-progress"])
+    assert calls == ["score", "score"]
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["preset"], c["domain"], c["length"]) for c in cells if "skipped" not in c] == [
+        ("dynamic", "wiki", 320), ("dynamic", "code", 320), ("kivi-2bit", "wiki", 320), ("kivi-2bit", "code", 320)]
+    table = (tmp_path / "needle.md").read_text()
+    assert table.count("| preset | 320 | 16384 | mean | mean logprob |") == 2
+    assert "the 'wiki' domain" in table and "the 'code' domain" in table
+    assert (tmp_path / "needle_code_accuracy.png").stat().st_size > 0
+
 
 def test_bad_input_is_refused_with_the_next_step(calls, tmp_path, capsys):
     out = tmp_path / "x.json"
     with pytest.raises(ValueError, match="unknown tasks \\['niah'\\]; the tasks are: niah_single, niah_multikey"):
         run_suite("smollm2-135m", ["kivi-2bit"], ["niah"], [320], 1, out, progress=False)
+    with pytest.raises(ValueError, match="unknown domain 'news'; available: wiki"):
+        run_needle("smollm2-135m", ["kivi-2bit"], [320], [0.5], 1, out, progress=False, domains=["news"])
     with pytest.raises(ValueError, match="depths are fractions .* got \\[50.0\\]"):
         run_needle("smollm2-135m", ["kivi-2bit"], [320], [50.0], 1, out, progress=False)
     with pytest.raises(ValueError, match="`torchkv calibrate --preset aquakv-2bit --model smollm2-135m --out DIR`, "

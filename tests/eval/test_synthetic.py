@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchkv.corpora import DOMAINS, split_text
 from torchkv.eval.synthetic import RULER_TASKS, needle_sample, ruler_sample, score, wiki_cloze, wiki_qa
 
 LENGTHS = st.sampled_from([512, 1024, 2048])
@@ -26,10 +27,10 @@ def _tokens(tokenizer, sample) -> int:
 
 
 @settings(max_examples=15)
-@given(task=st.sampled_from(RULER_TASKS), length=LENGTHS, seed=SEEDS)
-def test_ruler_sample_fits_and_holds_its_answers(tokenizer, task, length, seed):
-    sample = ruler_sample(task, tokenizer, length, seed)
-    assert sample == ruler_sample(task, tokenizer, length, seed)
+@given(task=st.sampled_from(RULER_TASKS), length=LENGTHS, seed=SEEDS, domain=st.sampled_from(list(DOMAINS)))
+def test_ruler_sample_fits_and_holds_its_answers(tokenizer, task, length, seed, domain):
+    sample = ruler_sample(task, tokenizer, length, seed, domain)
+    assert sample == ruler_sample(task, tokenizer, length, seed, domain)
     assert 0.98 * length <= _tokens(tokenizer, sample) <= length
     assert sample.question.startswith("\n\n") and sample.target.startswith(" ")
     assert score(sample, sample.target.upper()) == 1.0
@@ -42,13 +43,15 @@ def test_ruler_sample_fits_and_holds_its_answers(tokenizer, task, length, seed):
 
 
 @settings(max_examples=10)
-@given(length=LENGTHS, depth=st.floats(0.0, 1.0), seed=SEEDS)
-def test_needle_sits_at_its_depth(tokenizer, length, depth, seed):
-    sample = needle_sample(tokenizer, length, depth, seed)
-    assert sample == needle_sample(tokenizer, length, depth, seed)
+@given(length=LENGTHS, depth=st.floats(0.0, 1.0), seed=SEEDS, domain=st.sampled_from(list(DOMAINS)))
+def test_needle_sits_at_its_depth(tokenizer, length, depth, seed, domain):
+    sample = needle_sample(tokenizer, length, depth, seed, domain)
+    assert sample == needle_sample(tokenizer, length, depth, seed, domain)
     assert 0.98 * length <= _tokens(tokenizer, sample) <= length
     offset = sample.context.index(f"is: {sample.answers[0]}.")
     assert abs(offset / len(sample.context) - depth) <= 0.05
+    far = round((0.75 if depth < 0.5 else 0.25) * len(sample.context))  # away from the needle
+    assert sample.context[far : far + 60] in split_text("eval", domain)  # the haystack is that domain's text
 
 
 def test_score_is_recall_of_the_answers(tokenizer):

@@ -43,6 +43,20 @@ def test_an_unshipped_width_lists_the_shipped_grids():
         KVPipeline.from_preset("frontier-2bit", bits=5)
 
 
+@pytest.mark.parametrize("key_bits,dim,read", [(3, 2, "keys rebuilt: pack.bits(bits=6) is not a planar layout"),
+                                               (4, 2, STORED_FORM)])
+def test_keys_may_take_more_bits_than_values(key_bits, dim, read):
+    """`key_bits` widens the keys alone (the retrieval ablation of issue 41): their grid is the widest with that many
+    bits and values keep `bits`. 4-bit keys (8-bit codes of 2-D points) are still scored from their codes; 3-bit ones
+    (6-bit codes) are not, and `explain` says so."""
+    pipe = KVPipeline.from_preset("frontier-2bit", key_bits=key_bits)
+    higgs = next(t for t in pipe.keys.transforms if t.name == "higgs")
+    assert (higgs.config.bits, higgs.config.dim) == (key_bits, dim)
+    bits = pipe.bits_per_value(KV_HEADS, HEAD_DIM, layers=LAYERS)
+    assert (bits.keys, bits.values) == (key_bits + 8 / HEAD_DIM, 2 + 8 / HEAD_DIM)
+    assert pipe.explain(LAYERS).removeprefix("every layer: ").startswith(read.removeprefix("every layer: "))
+
+
 def test_one_bit_keys_take_the_8d_grid_and_are_still_scored_from_their_codes():
     """No 4-D grid has 1 bit per value, so 1-bit keys use the 8-D one (256 points): 1 bit of codes plus one float8
     norm per 64 values."""

@@ -1,6 +1,7 @@
 """Long-context quality through each row's cache: the RULER-style suite and needle-in-a-haystack grids.
 
-Every preset x task x length (suite) or preset x length x depth (needle) is one cell. The results JSON is rewritten
+Every preset x domain x task x length (suite) or preset x domain x length x depth (needle) is one cell, the domain
+naming the held-out text the haystack is cut from. The results JSON is rewritten
 after every cell, and a rerun with the same `out` loads the finished cells and runs only the others.
 
 Context, question and target are tokenized separately (no special tokens) and their ids concatenated, so the ids
@@ -16,6 +17,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from torchkv.corpora import DEFAULT_DOMAIN, DOMAINS, domain
 from torchkv.eval import synthetic
 from torchkv.eval.long_report import NEEDLE, SUITE, load
 from torchkv.eval.rows import Method, method
@@ -46,6 +48,15 @@ def _check_grid(presets: Sequence[str], lengths: Sequence[int], samples: int) ->
         raise ValueError(f"context lengths must be positive token counts, e.g. 2048,4096; got {list(lengths)}")
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
+
+
+def _domains(names: Sequence[str]) -> list[str]:
+    """The haystack domains, each checked (an unknown one lists the available ones) before any work."""
+    if not names:
+        raise ValueError(f"no domain given: pass at least one of {', '.join(DOMAINS)}")
+    for name in names:
+        domain(name)
+    return list(dict.fromkeys(names))
 
 
 def _rows(presets: Sequence[str]) -> list[Method]:
@@ -143,12 +154,12 @@ def _run_cells(
 
 def run_suite(
     model_name: str, presets: Sequence[str], tasks: Sequence[str], lengths: Sequence[int], samples: int,
-    out: Path, progress: bool = True, model=None, tokenizer=None,
+    out: Path, progress: bool = True, model=None, tokenizer=None, domains: Sequence[str] = (DEFAULT_DOMAIN,),
 ) -> dict:
     """RULER-style tasks through every row's cache; returns (and writes to `out`) the results.
 
-    A cell is {preset, task, length, accuracy, samples, seconds}: over seeds 0..samples-1, accuracy is the mean
-    recall of the answers in the greedy generation through the row's cache (`synthetic.score`).
+    A cell is {preset, domain, task, length, accuracy, samples, seconds}: over seeds 0..samples-1, accuracy is the
+    mean recall of the answers in the greedy generation through the row's cache (`synthetic.score`).
     `model`/`tokenizer` reuse a loaded model of `model_name` instead of loading it.
     """
     unknown = [t for t in tasks if t not in synthetic.RULER_TASKS]
@@ -157,23 +168,25 @@ def run_suite(
     _check_grid(presets, lengths, samples)
 
     def measure(model, tokenizer, row: Method, cell: dict) -> dict:
-        drawn = [synthetic.ruler_sample(cell["task"], tokenizer, cell["length"], seed) for seed in range(samples)]
+        drawn = [synthetic.ruler_sample(cell["task"], tokenizer, cell["length"], seed, cell["domain"])
+                 for seed in range(samples)]
         parts = [(_ids(tokenizer, s.context), _ids(tokenizer, s.question), _ids(tokenizer, s.target)) for s in drawn]
         texts = generate(model, tokenizer, row, [c + q for c, q, _ in parts], MAX_NEW_TOKENS, until=["\n"])
         return {"accuracy": sum(synthetic.score(s, text) for s, text in zip(drawn, texts)) / samples}
 
-    grid = [{"task": t, "length": int(n)} for t in dict.fromkeys(tasks) for n in sorted(set(lengths))]
+    grid = [{"domain": d, "task": t, "length": int(n)}
+            for d in _domains(domains) for t in dict.fromkeys(tasks) for n in sorted(set(lengths))]
     settings = {"samples": samples, "max_new_tokens": MAX_NEW_TOKENS}
     return _run_cells(SUITE, model_name, presets, grid, settings, out, measure, model, tokenizer, progress)
 
 
 def run_needle(
     model_name: str, presets: Sequence[str], lengths: Sequence[int], depths: Sequence[float], samples: int,
-    out: Path, progress: bool = True, model=None, tokenizer=None,
+    out: Path, progress: bool = True, model=None, tokenizer=None, domains: Sequence[str] = (DEFAULT_DOMAIN,),
 ) -> dict:
     """Needle-in-a-haystack through every row's cache, scored only; returns (and writes to `out`) the results.
 
-    `depths` are fractions of the context, 0 (start) to 1 (end). A cell is {preset, length, depth, accuracy,
+    `depths` are fractions of the context, 0 (start) to 1 (end). A cell is {preset, domain, length, depth, accuracy,
     logprob, samples, seconds}: accuracy is the fraction of samples whose answer greedy decoding would produce,
     logprob the mean answer log-probability (nats).
     """
@@ -184,13 +197,15 @@ def run_needle(
     _check_grid(presets, lengths, samples)
 
     def measure(model, tokenizer, row: Method, cell: dict) -> dict:
-        drawn = [synthetic.needle_sample(tokenizer, cell["length"], cell["depth"], seed) for seed in range(samples)]
+        drawn = [synthetic.needle_sample(tokenizer, cell["length"], cell["depth"], seed, cell["domain"])
+                 for seed in range(samples)]
         requests = [Request(cached=_ids(tokenizer, s.context), asked=_ids(tokenizer, s.question),
                             continuation=_ids(tokenizer, s.target)) for s in drawn]
         scored = score(model, row, requests)
         return {"accuracy": sum(s.greedy for s in scored) / samples,
                 "logprob": sum(s.logprob for s in scored) / samples}
 
-    grid = [{"length": int(n), "depth": float(d)} for n in sorted(set(lengths)) for d in sorted(set(depths))]
+    grid = [{"domain": name, "length": int(n), "depth": float(d)}
+            for name in _domains(domains) for n in sorted(set(lengths)) for d in sorted(set(depths))]
     return _run_cells(NEEDLE, model_name, presets, grid, {"samples": samples}, out, measure, model, tokenizer,
                       progress)

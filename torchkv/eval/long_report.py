@@ -9,10 +9,19 @@ KINDS = (SUITE, NEEDLE)
 
 
 def load(path: str | Path) -> dict:
+    """A results file; cells written before domains existed are the default domain's (wiki)."""
     results = json.loads(Path(path).read_text())
     if results.get("meta", {}).get("kind") not in KINDS or "cells" not in results:
         raise ValueError(f"{path} is not a long-context results file (meta.kind one of {KINDS}, and 'cells')")
+    for cell in results["cells"]:
+        cell.setdefault("domain", "wiki")
     return results
+
+
+def by_domain(results: dict) -> dict[str, dict]:
+    """The results split by the domain of their haystacks, each with its own cells, in the order they ran."""
+    domains = dict.fromkeys(c.get("domain", "wiki") for c in results["cells"])
+    return {d: {**results, "cells": [c for c in results["cells"] if c.get("domain", "wiki") == d]} for d in domains}
 
 
 def _presets(results: dict) -> list[str]:
@@ -79,12 +88,17 @@ def markdown_table(results: dict) -> str:
         out = [(f"Long-context suite, {meta['model']}, {samples} seeded samples per cell. Accuracy: mean recall of the "
                f"answers in the greedy generation through each cache (up to {meta['settings']['max_new_tokens']} new "
                "tokens, cut at a newline)."), ""]
-        out += _suite_table(results)
+        table = _suite_table
     else:
         out = [(f"Needle in a haystack, {meta['model']}, {samples} seeded samples per length x depth. Accuracy: "
                "fraction of needles greedy decoding would reproduce, mean over depths; logprob: mean answer "
                "log-probability (nats), read through each cache."), ""]
-        out += _needle_table(results)
+        table = _needle_table
+    parts = by_domain(results)
+    for i, (name, part) in enumerate(parts.items()):
+        if len(parts) > 1:
+            out += ([""] if i else []) + [f"Haystacks from the '{name}' domain's held-out text:", ""]
+        out += table(part)
     skips = _skips(results)
     if skips:
         out += ["", "Skipped: " + "; ".join(skips) + "."]
@@ -191,10 +205,16 @@ def _heatmaps(results: dict, field: str, label: str, spec: str, path: Path) -> P
 
 def plots(results: dict, out_dir: str | Path, stem: str) -> list[Path]:
     """Suite: `<stem>.png`, accuracy against context length. Needle: `<stem>_accuracy.png` and
-    `<stem>_logprob.png`, heatmaps of depth x length per preset."""
+    `<stem>_logprob.png`, heatmaps of depth x length per preset. With several domains, `<stem>_<domain>...` each."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if results["meta"]["kind"] == SUITE:
-        return [_suite_plot(results, out_dir, stem)]
-    return [_heatmaps(results, "accuracy", "accuracy (greedy answer)", ".2f", out_dir / f"{stem}_accuracy.png"),
-            _heatmaps(results, "logprob", "answer log-probability (nats)", ".1f", out_dir / f"{stem}_logprob.png")]
+    parts = by_domain(results)
+    written = []
+    for name, part in parts.items():
+        named = stem if len(parts) == 1 else f"{stem}_{name}"  # one set of plots per domain
+        if results["meta"]["kind"] == SUITE:
+            written.append(_suite_plot(part, out_dir, named))
+            continue
+        written += [_heatmaps(part, "accuracy", "accuracy (greedy answer)", ".2f", out_dir / f"{named}_accuracy.png"),
+                    _heatmaps(part, "logprob", "answer log-probability (nats)", ".1f", out_dir / f"{named}_logprob.png")]
+    return written

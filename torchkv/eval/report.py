@@ -15,13 +15,16 @@ def _reference(results: dict) -> dict | None:
     return next((r for r in results["rows"] if r["name"] == results["meta"].get("reference")), None)
 
 
+def longest(row: dict) -> dict | None:
+    """The row's generation at its longest speed context, where the cache weighs most against the weights."""
+    return max(row.get("generation") or [], key=lambda g: g["batch"] * g["context"], default=None)
+
+
 def cache_bits(results: dict, row: dict) -> float | None:
-    """Bits per cached value over the whole cache (windows and metadata included) at the first speed context."""
-    gen = row.get("generation") or []
-    per_token = results["meta"].get("values_per_token")
-    if not gen or not per_token:
+    """Bits per cached value over the whole cache (windows and metadata included) at the longest speed context."""
+    g, per_token = longest(row), results["meta"].get("values_per_token")
+    if g is None or not per_token:
         return None
-    g = gen[0]
     tokens = g["batch"] * (g["context"] + g["new_tokens"] - 1)
     return 8 * g["cache_bytes"] / (tokens * per_token)
 
@@ -33,6 +36,19 @@ def _num(x, spec: str = ".2f") -> str:
 def _encoded_bits(row: dict) -> float | None:
     bits = row.get("bits_per_value")
     return None if not bits else (bits["keys"] + bits["values"]) / 2
+
+
+def _column(key: str, keys: list[str]) -> str:
+    """A context key as a column label: "2048" is the default domain's, named once other domains are present."""
+    return f"wiki/{key}" if "/" not in key and any("/" in k for k in keys) else key
+
+
+def _row_label(row: dict) -> str:
+    """The row's name, with the domains it was calibrated or tuned on (beside the evaluated ones in the header)."""
+    config = row.get("config", {})
+    fitted = [f"{what} on {config[key]}" for key, what in (("fitted_on", "calibrated"), ("tuned_on", "tuned"))
+              if config.get(key)]
+    return row["name"] + (f" ({', '.join(fitted)})" if fitted else "")
 
 
 def _ppl_cell(row: dict, ref: dict | None, mode: str, ctx: str) -> str:
@@ -55,6 +71,24 @@ def _decode_cell(gen: dict | None, ref_gen: dict | None) -> str:
     return f"{gen['decode_tokens_per_s']:.1f}{ratio}"
 
 
+def _short_generation_cell(gen: dict | None, ref_gen: dict | None) -> str:
+    """End-to-end seconds of the timed generation, with its speed against the reference's (higher is faster)."""
+    if gen is None or "generation_seconds" not in gen:
+        return "–"
+    ref_s = (ref_gen or {}).get("generation_seconds")
+    return f"{gen['generation_seconds']:.2f}" + (f" ({ref_s / gen['generation_seconds']:.2f}x)" if ref_s else "")
+
+
+def _domains_note(meta: dict) -> str:
+    """The evaluated text domains, each with what it is (results before domains existed name none)."""
+    domains = meta.get("domains")
+    if not domains:
+        return ""
+    named = "; ".join(f"{name}: {description}" for name, description in domains.items())
+    return (f" Held-out text by domain ({named}); `tuned:ROW@BITS` rows are tuned on the calibration split of "
+            f"{meta['settings']['tune_domain']}.")
+
+
 def markdown_table(results: dict) -> str:
     """One line per row: quality, memory and speed, each beside the full-precision reference."""
     ref = _reference(results) or {}
@@ -64,21 +98,25 @@ def markdown_table(results: dict) -> str:
     ret_cols = list(ref.get("retrieval", {}))
     gen_ctx = [g["context"] for g in ref.get("generation", [])]
     header = ["row", "bits/value (cache)", "bits/value (encoded)"]
-    header += [f"ppl {ctx} {mode}" for mode, ctx in ppl_cols]
-    header += [f"retrieval {c} acc / logp" for c in ret_cols]
-    header += [f"cache MiB @{c}" for c in gen_ctx[:1]]
-    header += [f"decode tok/s @{c}" for c in gen_ctx] + [f"prefill tok/s @{c}" for c in gen_ctx[:1]]
+    ppl_keys = [ctx for _, ctx in ppl_cols]
+    header += [f"ppl {_column(ctx, ppl_keys)} {mode}" for mode, ctx in ppl_cols]
+    header += [f"retrieval {_column(c, ret_cols)} acc / logp" for c in ret_cols]
+    steps = [g["new_tokens"] + g.get("warm_steps", 0) for g in ref.get("generation", [])[:1]]
+    header += [f"cache MiB @{c}" for c in gen_ctx[-1:]]
+    header += [f"short generation @{c}: s for prompt + {n} tokens" for c, n in zip(gen_ctx, steps)]
+    header += [f"steady-state decode tok/s @{c}" for c in gen_ctx] + [f"prefill tok/s @{c}" for c in gen_ctx[:1]]
     header += ["peak RSS growth MiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     ref_gens = {g["context"]: g for g in ref.get("generation", [])}
     for row in rows:
         gens = {g["context"]: g for g in row.get("generation", [])}
         first = gens.get(gen_ctx[0]) if gen_ctx else None
-        cells = [row["name"], _num(cache_bits(results, row)), _num(_encoded_bits(row))]
+        cells = [_row_label(row), _num(cache_bits(results, row)), _num(_encoded_bits(row))]
         cells += [_ppl_cell(row, ref, mode, ctx) for mode, ctx in ppl_cols]
         cells += [_retrieval_cell(row, c) for c in ret_cols]
         if gen_ctx:
-            cells.append(_num(first and first["cache_bytes"] / 2**20, ".1f"))
+            cells.append(_num(gens.get(gen_ctx[-1], {}).get("cache_bytes", 0) / 2**20 or None, ".1f"))
+            cells.append(_short_generation_cell(first, ref_gens.get(gen_ctx[0])))
         cells += [_decode_cell(gens.get(c), ref_gens.get(c)) for c in gen_ctx]
         if gen_ctx:
             cells.append(_num(first and first["prefill_tokens_per_s"], ".0f"))
@@ -96,7 +134,11 @@ def markdown_table(results: dict) -> str:
         f"{meta['settings']['block']} tokens read the compressed history{scored}; simulated: every token is read "
         "compressed (no full-precision window, no sinks). Increases are against the full-precision DynamicCache "
         "row. bits/value (cache): all cache bytes (windows, metadata) per cached value at the generation context; "
-        "(encoded): compressed tokens only.",
+        "(encoded): compressed tokens only; both at the longest speed context. Speed, batch 1, graphs already "
+        "compiled: a short generation is the prefill and every decode step of one answer, end to end (ratio: DynamicCache's time over the row's); "
+        f"steady-state decode times {meta['settings']['new_tokens']} steps after untimed warm-up "
+        "steps (ratio: tokens/s over DynamicCache's). Where the cache's work dominates a step (long contexts, "
+        "large batches), the steady state shows what compression buys." + _domains_note(meta),
     ]
     if pareto_points(results):
         lines += ["", "Pareto (`pareto.png`): a row is on a frontier when no row with as few bits or fewer beats it "
@@ -107,14 +149,14 @@ def markdown_table(results: dict) -> str:
 
 def pareto_points(results: dict) -> list[dict]:
     """Every compressed row as a point: cache bits per value, perplexity increase (streaming, first context) and
-    decode speed as a ratio to the reference (first speed context); `quality_frontier` / `speed_frontier`: no
+    decode speed as a ratio to the reference (steady state at the longest speed context); `quality_frontier` / `speed_frontier`: no
     other row has as few bits or fewer and a lower increase (a higher speed); `dominated_by`: rows with as
     few bits or fewer that are ahead on quality and speed at once."""
     ref = _reference(results)
     if not ref or not ref.get("ppl") or not ref.get("generation"):
         return []
     ctx = next(iter(ref["ppl"]["streaming"]))
-    ref_speed = ref["generation"][0]["decode_tokens_per_s"]
+    ref_speed = longest(ref)["decode_tokens_per_s"]
     points = []
     for row in results["rows"]:
         bits, value = cache_bits(results, row), row.get("ppl", {}).get("streaming", {}).get(ctx)
@@ -122,7 +164,7 @@ def pareto_points(results: dict) -> list[dict]:
             continue
         increase = 100 * (value / ref["ppl"]["streaming"][ctx] - 1)
         points.append({"name": row["name"], "bits": bits, "ppl_increase": increase,
-                       "decode_ratio": row["generation"][0]["decode_tokens_per_s"] / ref_speed})
+                       "decode_ratio": longest(row)["decode_tokens_per_s"] / ref_speed})
     for p in points:
         fewer = [o for o in points if o is not p and o["bits"] <= p["bits"]]
         p["quality_frontier"] = all(o["ppl_increase"] >= p["ppl_increase"] for o in fewer)
@@ -135,8 +177,11 @@ def pareto_points(results: dict) -> list[dict]:
 def pareto_table(results: dict) -> str:
     """`pareto_points` as Markdown, fewest bits first."""
     points = sorted(pareto_points(results), key=lambda p: p["bits"])
-    lines = ["| row | cache bits/value | ppl increase % | decode vs DynamicCache | quality frontier | speed frontier | "
-             "ahead on both at ≤ bits |", "|---|---|---|---|---|---|---|"]
+    ref = _reference(results)
+    keys = list(ref["ppl"]["streaming"])
+    lines = [f"| row | cache bits/value | ppl increase % ({_column(keys[0], keys)}) | steady-state decode vs "
+             f"DynamicCache @{longest(ref)['context']} | quality frontier | speed frontier | ahead on both at ≤ bits |",
+             "|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p['name']} | {p['bits']:.2f} | {p['ppl_increase']:+.2f} | {p['decode_ratio']:.2f}x | "
                      f"{'yes' if p['quality_frontier'] else ''} | {'yes' if p['speed_frontier'] else ''} | "
@@ -168,7 +213,7 @@ def _pareto_plot(results: dict, out_dir: Path, plt) -> Path | None:
     for ax, key, frontier, label in (
         (axes[0], "ppl_increase", "quality_frontier", f"perplexity increase, % ({next(iter(ref['ppl']['streaming']))}"
                                                       "-token documents, streaming)"),
-        (axes[1], "decode_ratio", "speed_frontier", f"decode speed / DynamicCache ({ref['generation'][0]['context']} "
+        (axes[1], "decode_ratio", "speed_frontier", f"decode speed / DynamicCache ({longest(ref)['context']} "
                                                     "tokens, batch 1)"),
     ):
         for p in points:

@@ -1,4 +1,4 @@
-"""Retrieval: a 5-digit pass key stated once early in a long Wikipedia context, asked for at the end."""
+"""Retrieval: a 5-digit pass key stated once early in a long context of held-out text, asked for at the end."""
 
 import random
 from dataclasses import dataclass
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from torchkv.corpora import token_stream
+from torchkv.corpora import DEFAULT_DOMAIN, token_stream
 from torchkv.eval.rows import Method
 from torchkv.models import cache_argument
 from torchkv.models.capture import capture_qkv
@@ -22,11 +22,11 @@ class Case:
     answer: torch.Tensor  # [n] token ids of " {key}"
 
 
-def cases(tokenizer, context: int, count: int, seed: int = 0) -> list[Case]:
+def cases(tokenizer, context: int, count: int, seed: int = 0, domain_name: str = DEFAULT_DOMAIN) -> list[Case]:
     """`count` seeded cases of `context` tokens: the key sentence opens the context, then a random
-    stretch of held-out Wikipedia text, then the question."""
+    stretch of `domain_name`'s held-out text, then the question."""
     rng = random.Random(f"{seed}-{context}")
-    stream = token_stream(tokenizer, "eval")
+    stream = token_stream(tokenizer, "eval", domain_name)
     question = tokenizer(_QUESTION, add_special_tokens=False, return_tensors="pt").input_ids[0]
     out = []
     for _ in range(count):

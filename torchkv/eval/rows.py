@@ -42,14 +42,16 @@ class Method:
     #: (model, its compiled decode step): every run of the row on that model reuses the step's graphs
     _step: tuple | None = field(default=None, repr=False, compare=False)
 
-    def tune_for(self, model, tokenizer, tokens: int, out_dir: Path | None, progress: bool = True) -> None:
-        """Tune a tuned row on `model` (on `tokens` of the calibration split; one sensitivity measurement per
-        starting row and model serves every budget), and save its pipeline under `out_dir/tuned/` when given."""
+    def tune_for(self, model, tokenizer, tokens: int, out_dir: Path | None, progress: bool = True,
+                 domain: str = "wiki") -> None:
+        """Tune a tuned row on `model` (on `tokens` of `domain`'s calibration split; one sensitivity measurement per
+        starting row, model and domain serves every budget), and save its pipeline under `out_dir/tuned/` when
+        given."""
         from torchkv.fitting.tuning import tuned_on_calibration_split
 
         start, budget = self.tuning
         self.pipeline, self.tune_report = tuned_on_calibration_split(
-            start.pipeline, model, tokenizer, budget, tokens, progress)
+            start.pipeline, model, tokenizer, budget, tokens, progress, domain)
         self.pipeline.name = self.name
         if out_dir is not None:
             folder = out_dir / "tuned" / self.name.removeprefix(TUNED).replace("/", "_").replace(":", "_")

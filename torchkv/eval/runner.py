@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from torchkv._compat import config_head_dim
-from torchkv.corpora import SPLITS, documents
+from torchkv.corpora import DEFAULT_DOMAIN, DOMAINS, SPLITS, documents, domain
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.retrieval import cases, retrieval
 from torchkv.eval.rows import Method, method
@@ -41,8 +41,14 @@ class EvalSettings:
     split: str = "eval"
     #: calibration tokens a tuned row (`tuned:ROW@BITS`) measures its sensitivities on
     tune_tokens: int = 32768
+    #: text domains (`torchkv.corpora.DOMAINS`) perplexity and retrieval are measured on, each on its own
+    domains: tuple[str, ...] = (DEFAULT_DOMAIN,)
+    #: the domain whose calibration split a tuned row is tuned on
+    tune_domain: str = DEFAULT_DOMAIN
 
     def __post_init__(self):
+        for name in (*self.domains, self.tune_domain):
+            domain(name)  # an unknown name lists the available ones
         if self.split != "eval":
             raise ValueError(
                 f"evaluation runs on the held-out 'eval' split only; '{self.split}' is "
@@ -54,8 +60,15 @@ class EvalSettings:
         return sorted({*self.ppl_docs, *self.retrieval_contexts, *self.speed_contexts})
 
 
-QUICK = EvalSettings(ppl_docs={2048: 1}, retrieval_contexts=(2048,), retrieval_cases=10, speed_contexts=(2048,),
-                     new_tokens=16, tune_tokens=4096)
+def context_key(domain_name: str, tokens: int) -> str:
+    """The key of a context's results (perplexity, retrieval): "2048" on the default domain, "code/2048" on others."""
+    return str(tokens) if domain_name == DEFAULT_DOMAIN else f"{domain_name}/{tokens}"
+
+
+#: `make run`: every domain at 2K; speed at 2K and at 8K, where the cache's work is most of a DynamicCache decode step
+#: on SmolLM2 (its tokens/s halve from 2K to 8K)
+QUICK = EvalSettings(ppl_docs={2048: 1}, retrieval_contexts=(2048,), retrieval_cases=10, speed_contexts=(2048, 8192),
+                     new_tokens=16, tune_tokens=4096, domains=tuple(DOMAINS))
 
 
 def machine() -> dict:
@@ -99,7 +112,7 @@ def _write(path: Path | None, results: dict) -> None:
 
 
 def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: dict, progress: bool) -> dict:
-    """Measure one row; `scored` holds its retrieval results by context (measured for all rows at once)."""
+    """Measure one row; `scored` holds its retrieval results by context key (measured for all rows at once)."""
     config = model.config
     head_dim = config_head_dim(config)
     out: dict = {"name": row.name, "kind": row.kind, "config": row.config()}
@@ -111,13 +124,13 @@ def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: 
     started = time.perf_counter()
     modes = ["streaming"] + (["simulated"] if settings.simulated and row.kind == "torchkv" else [])
     out["ppl"] = {
-        mode: {str(length): perplexity(model, documents(tokenizer, length, count), row, settings.block,
-                                       simulated=mode == "simulated", progress=progress,
-                                       prompt=int(settings.ppl_prompt * length))
-               for length, count in sorted(settings.ppl_docs.items())}
+        mode: {context_key(name, length): perplexity(
+                   model, documents(tokenizer, length, count, domain_name=name), row, settings.block,
+                   simulated=mode == "simulated", progress=progress, prompt=int(settings.ppl_prompt * length))
+               for name in settings.domains for length, count in sorted(settings.ppl_docs.items())}
         for mode in modes
     }
-    out["retrieval"] = {str(c): scored[c][row.name] for c in settings.retrieval_contexts}
+    out["retrieval"] = {key: by_row[row.name] for key, by_row in scored.items()}
     out["generation"] = [generation_profile(model, tokenizer, row, c, settings.new_tokens)
                          for c in settings.speed_contexts]
     out["seconds"] = time.perf_counter() - started
@@ -138,7 +151,8 @@ def run_eval(
     if max(settings.contexts()) > limit:
         raise ValueError(f"context {max(settings.contexts())} exceeds {model_name}'s limit of {limit} positions")
     torch.manual_seed(settings.seed)
-    case_sets = {c: cases(tokenizer, c, settings.retrieval_cases, settings.seed) for c in settings.retrieval_contexts}
+    case_sets = {context_key(name, c): cases(tokenizer, c, settings.retrieval_cases, settings.seed, name)
+                 for name in settings.domains for c in settings.retrieval_contexts}
     results = {
         "meta": {
             "torchkv": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -146,14 +160,16 @@ def run_eval(
             "values_per_token": 2 * model.config.num_hidden_layers * model.config.num_key_value_heads
             * config_head_dim(model.config),
             "machine": machine(), "settings": dataclasses.asdict(settings), "reference": REFERENCE,
+            "domains": {name: domain(name).description for name in settings.domains},
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
         "rows": [],
     }
     for row in rows:
         if row.tuning is not None:
-            row.tune_for(model, tokenizer, settings.tune_tokens, None if out is None else Path(out).parent, progress)
-    scored = {c: retrieval(model, case_sets[c], rows, progress) for c in settings.retrieval_contexts}
+            row.tune_for(model, tokenizer, settings.tune_tokens, None if out is None else Path(out).parent, progress,
+                         settings.tune_domain)
+    scored = {key: retrieval(model, case_set, rows, progress) for key, case_set in case_sets.items()}
     for row in rows:
         results["rows"].append(evaluate_row(model, tokenizer, row, settings, scored, progress))
         _write(out, results)  # an interrupted run keeps the rows already finished

@@ -104,8 +104,8 @@ def generation_profile(
         prefills = [_run(model, method, ids, 0, capacity)[0] for _ in range(prefill_runs - 1)]
         start_rss = memory.current_rss()
         resettable = memory.reset_peak()
-        prefill_s, warm_s, decode_s, cache = _run(model, method, ids, new_tokens, capacity)
-        prefill_s = statistics.median([*prefills, prefill_s])
+        last_prefill_s, warm_s, decode_s, cache = _run(model, method, ids, new_tokens, capacity)
+        prefill_s = statistics.median([*prefills, last_prefill_s])
         peak = memory.peak_rss()
         result = {
             "context": context,
@@ -114,7 +114,10 @@ def generation_profile(
             "prefill_runs": prefill_runs,
             "prefill_tokens_per_s": batch * context / prefill_s,
             "decode_tokens_per_s": batch * new_tokens / decode_s,
+            "warm_steps": WARM_STEPS,
             "warm_decode_seconds": warm_s,
+            #: the timed generation end to end (its prefill, warm-up and timed steps): what a short answer costs
+            "generation_seconds": last_prefill_s + warm_s + decode_s,
             "whole_step_compiled": method.compiled,
             "cache_bytes": cache_nbytes(cache),
             "peak_rss_bytes": peak,

@@ -2,7 +2,9 @@
 needle at a chosen depth, next-sentence cloze and long-document QA.
 
 Every generator is pure: the same arguments give the same sample. RULER samples are cut to the token budget
-of the tokenizer passed in; the filler ("haystack") is the 'eval' split of `torchkv.corpora`.
+of the tokenizer passed in; the filler ("haystack") is the 'eval' split of a `torchkv.corpora` domain (Wikipedia
+unless another is named). Keys and word lists come from the Wikipedia vocabulary in every domain, so a seed draws the
+same needles whatever the haystack.
 """
 
 import bisect
@@ -14,7 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchkv.corpora import split_articles, split_text, token_stream
+from torchkv.corpora import DEFAULT_DOMAIN, split_articles, split_text, token_stream
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words")
 MIN_FILLER = 64  # tokens of haystack (or word list) a sample needs beyond its needles, question and answer
@@ -52,9 +54,9 @@ def _count(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def _haystack(tokenizer, start: int, n: int) -> str:
-    """About `n` tokens of the 'eval' split from token `start`, beginning at a sentence start."""
-    text = tokenizer.decode(token_stream(tokenizer, "eval")[start : start + n])
+def _haystack(tokenizer, start: int, n: int, domain_name: str) -> str:
+    """About `n` tokens of `domain_name`'s 'eval' split from token `start`, beginning at a sentence start."""
+    text = tokenizer.decode(token_stream(tokenizer, "eval", domain_name)[start : start + n])
     first = _BOUNDARY.search(text[:400])
     return text[first.end() :] if first else text
 
@@ -118,18 +120,15 @@ def _key(rng: random.Random) -> str:
     return "-".join(rng.sample(vocabulary(), 2))
 
 
-def ruler_sample(task: str, tokenizer, length: int, seed: int) -> Sample:
+def ruler_sample(task: str, tokenizer, length: int, seed: int, domain_name: str = DEFAULT_DOMAIN) -> Sample:
     """A RULER-style sample of `task` (one of `RULER_TASKS`) whose context + question + target tokenize
-    (without special tokens) to between 0.98 * `length` and `length` tokens."""
+    (without special tokens) to between 0.98 * `length` and `length` tokens, in a haystack of `domain_name`."""
     if task not in RULER_TASKS:
         raise ValueError(f"unknown RULER task '{task}'; available: {', '.join(RULER_TASKS)}")
     rng = random.Random(f"{task}-{length}-{seed}")
     if task == "common_words":
         return _fit(tokenizer, length, task, _common_words(rng, length), per_unit=2.5)
-    stream = token_stream(tokenizer, "eval").numel()
-    if length + 1 > stream:
-        raise ValueError(f"length {length} is longer than the 'eval' split ({stream} tokens); use a shorter one")
-    start = rng.randrange(stream - length)
+    start = _haystack_start(rng, tokenizer, length, domain_name)
     if task == "variable_tracking":
         needles, question, answers, target = _variables(rng)
     else:
@@ -139,7 +138,7 @@ def ruler_sample(task: str, tokenizer, length: int, seed: int) -> Sample:
         needles = _interleave(rng, needles[: len(needles) // 2], needles[len(needles) // 2 :])
 
     def build(n: int) -> Sample:
-        context = _insert(_haystack(tokenizer, start, n), needles, depths)
+        context = _insert(_haystack(tokenizer, start, n, domain_name), needles, depths)
         return Sample(task, context, question, answers, target, depths[0], length)
 
     return _fit(tokenizer, length, task, build)
@@ -207,22 +206,29 @@ def _common_words(rng: random.Random, length: int, common: int = 10) -> Callable
     return build
 
 
-def needle_sample(tokenizer, length: int, depth: float, seed: int) -> Sample:
+def _haystack_start(rng: random.Random, tokenizer, length: int, domain_name: str) -> int:
+    """A random first token of a `length`-token haystack in `domain_name`'s 'eval' split."""
+    stream = token_stream(tokenizer, "eval", domain_name).numel()
+    if length + 1 > stream:
+        raise ValueError(f"length {length} is longer than the '{domain_name}' domain's 'eval' split ({stream} tokens); "
+                         "use a shorter one")
+    return rng.randrange(stream - length)
+
+
+def needle_sample(tokenizer, length: int, depth: float, seed: int, domain_name: str = DEFAULT_DOMAIN) -> Sample:
     """One needle (a 7-digit number keyed by a random word pair) at fractional `depth` of the context
-    (0 = first, 1 = just before the question), in a haystack filling 0.98 * `length` to `length` tokens."""
+    (0 = first, 1 = just before the question), in a haystack of `domain_name` filling 0.98 * `length` to `length`
+    tokens."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(f"needle-{length}-{depth}-{seed}")
-    stream = token_stream(tokenizer, "eval").numel()
-    if length + 1 > stream:
-        raise ValueError(f"length {length} is longer than the 'eval' split ({stream} tokens); use a shorter one")
-    start = rng.randrange(stream - length)
+    start = _haystack_start(rng, tokenizer, length, domain_name)
     key, number = _key(rng), rng.randrange(1_000_000, 10_000_000)
     question = (f"\n\nWhat is the special magic number for {key} given in the text above?\nAnswer: The special "
                 f"magic number for {key} is")
 
     def build(n: int) -> Sample:
-        context = _insert(_haystack(tokenizer, start, n), [_needle(key, number)], [depth])
+        context = _insert(_haystack(tokenizer, start, n, domain_name), [_needle(key, number)], [depth])
         return Sample("needle", context, question, (str(number),), f" {number}", depth, length)
 
     return _fit(tokenizer, length, "needle", build)

@@ -95,7 +95,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.float().transpose(1, 2).flatten(2).flatten(0, 1)
 
 
-@torch.no_grad()
 @registry.register_delegate("fit")
 @torch.no_grad()  # the model runs for its keys and values only; nothing here is differentiated
 def fit_pipeline(
@@ -109,6 +108,7 @@ def fit_pipeline(
     batch: int = 4,
     alpha: float = 1e-3,
     progress: bool = True,
+    domain: str | None = None,
 ) -> dict[str, Any]:
     """Fit the pipeline's predict transforms on `model` (AQUA-KV Alg. 1) and mark it calibrated for it.
 
@@ -118,6 +118,7 @@ def fit_pipeline(
         texts: strings (tokenized with `tokenizer`, cut into `seq_len`-token windows) or token ids [N, T].
         max_tokens: calibration tokens used at most; batch: windows per forward of one layer.
         alpha: ridge damping relative to the mean diagonal of the moment matrix.
+        domain: what the texts are (a `torchkv.corpora` domain or your own label), kept as `pipe.fitted_on`.
 
     Returns:
         a report: tokens, seconds, peak resident memory (of the process), and per layer and side the relative
@@ -148,7 +149,7 @@ def fit_pipeline(
                 k_post, v = records.pop(("kv", layer_idx))
                 kv.append((k_post.float(), v.float()))
             carry = _fit_layer(pipe, layer_idx, kv, carry, (cos, sin), key_predictor, value_predictor, alpha, report)
-    pipe.fitted_for = arch.fingerprint(model)
+    pipe.fitted_for, pipe.fitted_on = arch.fingerprint(model), domain
     report["seconds"] = time.perf_counter() - start
     report["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return report

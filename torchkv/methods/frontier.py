@@ -43,19 +43,21 @@ def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str) -> list
 def frontier(
     bits: int = 2, dim: int = 4, span: str = "head", center: bool = False, balance: bool = True,
     values: str = "uniform", scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4,
-    residual: int = 128, chunk: int = 32,
+    residual: int = 128, chunk: int = 32, key_bits: int | None = None,
 ) -> KVPipeline:
-    """Keys: optionally centred (`center`), query-balanced (`balance`) post-RoPE HIGGS at `bits` on the `dim`-D
-    grid, one norm per `span` ("head": a KV head's features of a token; "token": all its KV heads); values: `values`
-    "uniform" (Hadamard, then a Gaussian-step scale per token and head) or "higgs"; scales in `scale_dtype`."""
+    """Keys: optionally centred (`center`), query-balanced (`balance`) post-RoPE HIGGS at `key_bits` (default `bits`)
+    on the `dim`-D grid, one norm per `span` ("head": a KV head's features of a token; "token": all its KV heads);
+    values: `values` "uniform" (Hadamard, then a Gaussian-step scale per token and head) or "higgs" at `bits`;
+    scales in `scale_dtype`."""
     if values not in VALUES:
         raise ValueError(f"frontier values={values!r}; allowed: {VALUES}")
 
-    def chains(width: int) -> tuple[list, list]:
-        return (_keys(width, dim, span, center, balance, scale_dtype), _values(width, values, dim, span, scale_dtype))
+    def chains(width: int, key_width: int) -> tuple[list, list]:
+        return (_keys(key_width, dim, span, center, balance, scale_dtype),
+                _values(width, values, dim, span, scale_dtype))
 
-    keys, vals = chains(bits)
-    return KVPipeline(keys, vals, layers=dict.fromkeys(range(wide_layers), chains(wide_bits)), residual=residual,
+    keys, vals = chains(bits, bits if key_bits is None else key_bits)
+    return KVPipeline(keys, vals, layers=dict.fromkeys(range(wide_layers), chains(wide_bits, wide_bits)), residual=residual,
                       sinks=sinks, chunk=chunk)
 
 

@@ -65,6 +65,9 @@ class KVPipeline:
         self.fitted_for: dict[str, Any] | None = None
         #: the model `torchkv tune` chose the per-layer chains for (see `check_fitted`), or None
         self.tuned_for: dict[str, Any] | None = None
+        #: the text domains (`torchkv.corpora.DOMAINS`, or a caller's label) `fit` and `tune` saw, or None
+        self.fitted_on: str | None = None
+        self.tuned_on: str | None = None
         for arg, value in (("residual", residual), ("sinks", sinks)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{arg}={value!r} must be a non-negative integer")

@@ -39,6 +39,8 @@ def config(pipe) -> dict[str, Any]:
                    for layer, (k, v) in pipe.layer_chains.items()},
         "fitted_for": pipe.fitted_for,
         "tuned_for": pipe.tuned_for,
+        # the text domains of fit and tune, where known: absent otherwise, as in folders saved before they existed
+        **{key: domain for key, domain in (("fitted_on", pipe.fitted_on), ("tuned_on", pipe.tuned_on)) if domain},
     }
 
 
@@ -128,6 +130,7 @@ def from_config(cls: type, config: Mapping[str, Any]):
     )
     pipe.name, pipe.options, pipe.fitted_for = config["name"], dict(config["options"]), config.get("fitted_for")
     pipe.tuned_for = config.get("tuned_for")
+    pipe.fitted_on, pipe.tuned_on = config.get("fitted_on"), config.get("tuned_on")
     return pipe
 
 

@@ -76,6 +76,7 @@ def tuned_pipeline(sensitivity: Sensitivity, budget: float) -> tuple[KVPipeline,
                       residual=base.residual, sinks=base.sinks, chunk=tuned_chunk(base, [c.transforms for c in chosen_all]),
                       window=base.window, compile=base.compile)
     pipe.name, pipe.options, pipe.fitted_for = f"tuned:{base.name}@{budget:g}", dict(base.options), base.fitted_for
+    pipe.fitted_on = base.fitted_on
     report = {
         "budget": budget,
         "bits_per_value": sum(k.bits + v.bits for k, v in chosen) / (2 * len(chosen)),
@@ -99,6 +100,7 @@ def tune(
     max_tokens: int = 32768,
     batch: int = 1,
     progress: bool = True,
+    domain: str | None = None,
 ) -> tuple[KVPipeline, dict[str, Any]]:
     """Tune `pipe` on `model` for a budget of stored bits per value (see the module docstring).
 
@@ -106,6 +108,7 @@ def tune(
         pipe: the pipeline to start from (a preset, or a calibrated folder's pipeline).
         texts: calibration strings (tokenized with `tokenizer`, cut into `seq_len`-token windows) or ids [N, T].
         max_tokens: calibration tokens used at most; batch: windows per forward and backward pass.
+        domain: what the texts are (a `torchkv.corpora` domain or your own label), kept as `tuned.tuned_on`.
 
     Returns:
         the tuned pipeline (marked as tuned for `model`, `KVPipeline.tuned_for`) and a report: the choice per
@@ -120,7 +123,8 @@ def tune(
     ids = token_windows(tokenizer, texts, seq_len, max_tokens)
     sensitivity = measure(pipe, model, ids, batch=batch, progress=progress)
     tuned, report = _tuned(sensitivity, model, budget)
-    report.update(seconds=time.perf_counter() - started, peak_rss_mib=peak_rss() / 2**20,
+    tuned.tuned_on = domain
+    report.update(seconds=time.perf_counter() - started, domain=domain, peak_rss_mib=peak_rss() / 2**20,
                   peak_rss_since="tune" if resettable else "process start")
     return tuned, report
 
@@ -139,31 +143,32 @@ def _tuned(sensitivity: Sensitivity, model, budget: float) -> tuple[KVPipeline, 
     return tuned, report
 
 
-#: sensitivities measured on the calibration split, by model and by starting pipeline and token count
+#: sensitivities measured on a calibration split, by model and by starting pipeline, token count and domain
 _MEASURED: "weakref.WeakKeyDictionary[Any, dict[str, Sensitivity]]" = weakref.WeakKeyDictionary()
 
 
-def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32768,
-                            progress: bool = True) -> Sensitivity:
-    """`measure` on `tokens` of the Wikipedia calibration split in 1,024-token windows, once per model and
-    starting pipeline (a sweep of budgets costs one measurement)."""
+def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32768, progress: bool = True,
+                            domain: str = "wiki") -> Sensitivity:
+    """`measure` on `tokens` of `domain`'s calibration split (`torchkv.corpora`) in 1,024-token windows, once per
+    model, starting pipeline and domain (a sweep of budgets costs one measurement)."""
     from torchkv.corpora import split_articles
     from torchkv.fitting.calibrate import token_windows
 
     pipe = check_tunable(pipe, model)
-    key = json.dumps([pipe.config(), tokens], sort_keys=True, default=str)
+    key = json.dumps([pipe.config(), tokens, domain], sort_keys=True, default=str)
     measured = _MEASURED.setdefault(model, {})
     if key not in measured:
-        ids = token_windows(tokenizer, [text for _, text in split_articles("calibration")], 1024, tokens)
+        ids = token_windows(tokenizer, [text for _, text in split_articles("calibration", domain)], 1024, tokens)
         measured[key] = measure(pipe, model, ids, progress=progress)
     return measured[key]
 
 
 def tuned_on_calibration_split(pipe: KVPipeline, model, tokenizer, budget: float, tokens: int = 32768,
-                               progress: bool = True) -> tuple[KVPipeline, dict[str, Any]]:
-    """`tune` on the calibration split, its sensitivities from `calibration_sensitivity`."""
+                               progress: bool = True, domain: str = "wiki") -> tuple[KVPipeline, dict[str, Any]]:
+    """`tune` on `domain`'s calibration split, its sensitivities from `calibration_sensitivity`."""
     started = time.perf_counter()
     check_budget(budget, *reachable(check_tunable(pipe, model), model))
-    tuned, report = _tuned(calibration_sensitivity(pipe, model, tokenizer, tokens, progress), model, budget)
-    report["seconds"] = time.perf_counter() - started
+    tuned, report = _tuned(calibration_sensitivity(pipe, model, tokenizer, tokens, progress, domain), model, budget)
+    tuned.tuned_on = domain
+    report.update(seconds=time.perf_counter() - started, domain=domain)
     return tuned, report
