@@ -77,7 +77,7 @@ DOMAINS = {
 }
 
 
-#: every domain's documents in turn, each from its own split: calibration on it fits no single domain
+#: pieces of every domain in turn, each from its own split: calibration on it fits no single domain
 MIXED = "mixed"
 _PIECE = 4096
 _MIXED = Domain(f"pieces of {', '.join(DOMAINS)} in turn, each from its own split", dict, SPLITS)

@@ -153,7 +153,8 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
     assert tuned["tuning"]["domain"] == "code" and tuned["config"]["tuned_on"] == "code"
     assert set(tuned["ppl"]["streaming"]) == {"128", "code/128"}  # each domain measured on its own
     table = (tmp_path / "eval.md").read_text()  # printed once and written beside the results, domains named
-    assert "| row | bits/value (cache) | bits/value (encoded) | ppl wiki/128 streaming | ppl code/128 streaming |" in table
+    assert ("| row | bits/value (cache) | bits/value (encoded) | ppl wiki/128 streaming | ppl code/128 streaming |"
+            in table)
     assert "| tuned:kivi-2bit@2.75 (tuned on code) |" in table and "code: Python 3." in table
     assert capsys.readouterr().out.count("| row |") == 1
     assert (tmp_path / "tuned" / "kivi-2bit@2.75" / "tune.json").is_file()  # saved beside the results

@@ -216,5 +216,6 @@ def plots(results: dict, out_dir: str | Path, stem: str) -> list[Path]:
             written.append(_suite_plot(part, out_dir, named))
             continue
         written += [_heatmaps(part, "accuracy", "accuracy (greedy answer)", ".2f", out_dir / f"{named}_accuracy.png"),
-                    _heatmaps(part, "logprob", "answer log-probability (nats)", ".1f", out_dir / f"{named}_logprob.png")]
+                    _heatmaps(part, "logprob", "answer log-probability (nats)", ".1f",
+                              out_dir / f"{named}_logprob.png")]
     return written

@@ -135,7 +135,8 @@ def markdown_table(results: dict) -> str:
         "compressed (no full-precision window, no sinks). Increases are against the full-precision DynamicCache "
         "row. bits/value (cache): all cache bytes (windows, metadata) per cached value at the generation context; "
         "(encoded): compressed tokens only; both at the longest speed context. Speed, batch 1, graphs already "
-        "compiled: a short generation is the prefill and every decode step of one answer, end to end (ratio: DynamicCache's time over the row's); "
+        "compiled: a short generation is the prefill and every decode step of one answer, end to end (ratio: "
+        "DynamicCache's time over the row's); "
         f"steady-state decode times {meta['settings']['new_tokens']} steps after untimed warm-up "
         "steps (ratio: tokens/s over DynamicCache's). Where the cache's work dominates a step (long contexts, "
         "large batches), the steady state shows what compression buys." + _domains_note(meta),
@@ -149,9 +150,9 @@ def markdown_table(results: dict) -> str:
 
 def pareto_points(results: dict) -> list[dict]:
     """Every compressed row as a point: cache bits per value, perplexity increase (streaming, first context) and
-    decode speed as a ratio to the reference (steady state at the longest speed context); `quality_frontier` / `speed_frontier`: no
-    other row has as few bits or fewer and a lower increase (a higher speed); `dominated_by`: rows with as
-    few bits or fewer that are ahead on quality and speed at once."""
+    decode speed as a ratio to the reference (steady state at the longest speed context); `quality_frontier` /
+    `speed_frontier`: no other row has as few bits or fewer and a lower increase (a higher speed); `dominated_by`:
+    rows with as few bits or fewer that are ahead on quality and speed at once."""
     ref = _reference(results)
     if not ref or not ref.get("ppl") or not ref.get("generation"):
         return []
@@ -180,7 +181,8 @@ def pareto_table(results: dict) -> str:
     ref = _reference(results)
     keys = list(ref["ppl"]["streaming"])
     lines = [f"| row | cache bits/value | ppl increase % ({_column(keys[0], keys)}) | steady-state decode vs "
-             f"DynamicCache @{longest(ref)['context']} | quality frontier | speed frontier | ahead on both at ≤ bits |",
+             f"DynamicCache @{longest(ref)['context']} | quality frontier | speed frontier | "
+             "ahead on both at ≤ bits |",
              "|---|---|---|---|---|---|---|"]
     for p in points:
         lines.append(f"| {p['name']} | {p['bits']:.2f} | {p['ppl_increase']:+.2f} | {p['decode_ratio']:.2f}x | "
