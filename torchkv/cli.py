@@ -47,13 +47,15 @@ def _long_eval(args) -> None:
     samples = args.samples or (2 if args.needle else 5)
     out, progress = Path(args.out), not args.no_progress
     domains = [d for d in (args.domains or "wiki").split(",") if d]
+    tune_domain = args.tune_domain or "wiki"
     if args.needle:
         depths = [float(d) / 100 for d in (args.depths or "0,25,50,75,100").split(",") if d]
         results = long_context.run_needle(args.model, presets, lengths, depths, samples, out, progress,
-                                          domains=domains)
+                                          domains=domains, tune_domain=tune_domain)
     else:
         tasks = synthetic.RULER_TASKS if args.tasks in (None, "all") else [t for t in args.tasks.split(",") if t]
-        results = long_context.run_suite(args.model, presets, tasks, lengths, samples, out, progress, domains=domains)
+        results = long_context.run_suite(args.model, presets, tasks, lengths, samples, out, progress, domains=domains,
+                                         tune_domain=tune_domain)
     _write_report(results, out.parent, out.stem)
     print(f"\nwrote {out}")
 

@@ -86,12 +86,35 @@ def test_needle_grid_puts_the_reference_first_is_scored_only_and_drawn(calls, tm
     assert (tmp_path / "needle_code_accuracy.png").stat().st_size > 0
 
 
+def test_tuned_rows_are_tuned_on_the_named_domain_and_the_run_records_it(calls, tmp_path, monkeypatch):
+    from torchkv.eval.rows import Method
+
+    tuned_on = []
+
+    def tune_for(self, model, tokenizer, tokens, out_dir, progress=True, domain="wiki"):
+        tuned_on.append(domain)  # the real tuning takes minutes: the row keeps its starting pipeline
+        self.pipeline = self.tuning[0].pipeline
+
+    monkeypatch.setattr(Method, "tune_for", tune_for)
+    out = tmp_path / "needle.json"
+    main(["eval", "--needle", "--presets", "tuned:kivi-2bit@2.5", "--lengths", "320", "--depths", "50", "--samples",
+          "1", "--tune-domain", "code", "--out", str(out), "--no-progress"])
+    assert tuned_on == ["code"] and calls == ["score", "score"]
+    assert json.loads(out.read_text())["meta"]["settings"] == {"samples": 1, "tune_domain": "code"}
+    plain = run_needle("smollm2-135m", ["kivi-2bit"], [320], [0.5], 1, tmp_path / "plain.json", progress=False,
+                       tune_domain="code")
+    assert plain["meta"]["settings"] == {"samples": 1}  # no tuned row: nothing tuned, nothing recorded
+
+
 def test_bad_input_is_refused_with_the_next_step(calls, tmp_path, capsys):
     out = tmp_path / "x.json"
     with pytest.raises(ValueError, match="unknown tasks \\['niah'\\]; the tasks are: niah_single, niah_multikey"):
         run_suite("smollm2-135m", ["kivi-2bit"], ["niah"], [320], 1, out, progress=False)
     with pytest.raises(ValueError, match="unknown domain 'news'; available: wiki"):
         run_needle("smollm2-135m", ["kivi-2bit"], [320], [0.5], 1, out, progress=False, domains=["news"])
+    with pytest.raises(ValueError, match="unknown domain 'news'; available: wiki"):
+        run_suite("smollm2-135m", ["tuned:kivi-2bit@2.5"], ["niah_single"], [320], 1, out, progress=False,
+                  tune_domain="news")
     with pytest.raises(ValueError, match="depths are fractions .* got \\[50.0\\]"):
         run_needle("smollm2-135m", ["kivi-2bit"], [320], [50.0], 1, out, progress=False)
     with pytest.raises(ValueError, match="`torchkv calibrate --preset aquakv-2bit --model smollm2-135m --out DIR`, "

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from torchkv.corpora import DEFAULT_DOMAIN, DOMAINS, domain
 from torchkv.eval import synthetic
 from torchkv.eval.long_report import NEEDLE, SUITE, load
-from torchkv.eval.rows import Method, method
+from torchkv.eval.rows import TUNED, Method, method
 from torchkv.eval.runner import REFERENCE, _commit, _write, machine
 from torchkv.eval.through_cache import Request, generate, score
 from torchkv.models.loader import load_model
@@ -64,10 +64,18 @@ def _rows(presets: Sequence[str]) -> list[Method]:
     return [method(REFERENCE)] + [method(n) for n in dict.fromkeys(presets) if n != REFERENCE]
 
 
-def _prepare(row: Method, model, tokenizer, model_name: str, out: Path, progress: bool) -> None:
-    """Tune a tuned row; check that the row can build a cache for `model`, saying how to calibrate if it must be."""
+def _tuning(presets: Sequence[str], tune_domain: str) -> dict:
+    """The settings entry of tuned rows' calibration domain (checked now), where the run has tuned rows: results of
+    another domain's tuning are not resumed into."""
+    domain(tune_domain)
+    return {"tune_domain": tune_domain} if any(p.startswith(TUNED) for p in presets) else {}
+
+
+def _prepare(row: Method, model, tokenizer, model_name: str, out: Path, progress: bool, tune_domain: str) -> None:
+    """Tune a tuned row on `tune_domain`; check that the row can build a cache for `model`, saying how to calibrate
+    if it must be."""
     if row.tuning is not None:
-        row.tune_for(model, tokenizer, TUNE_TOKENS, out.parent, progress)
+        row.tune_for(model, tokenizer, TUNE_TOKENS, out.parent, progress, tune_domain)
     try:
         row.new_cache(model)
     except ValueError as err:
@@ -126,7 +134,7 @@ def _run_cells(
     runs = {cell["preset"] for cell in todo if cell["length"] <= limit}
     for row in rows:  # every row is tuned and checked before the first cell runs
         if row.name in runs:
-            _prepare(row, model, tokenizer, model_name, out, progress)
+            _prepare(row, model, tokenizer, model_name, out, progress, settings.get("tune_domain", DEFAULT_DOMAIN))
     by_name = {row.name: row for row in rows}
     told = set()
     with tqdm(total=len(done | {key(c) for c in wanted}), initial=len(done), desc=kind, unit="cell",
@@ -155,12 +163,14 @@ def _run_cells(
 def run_suite(
     model_name: str, presets: Sequence[str], tasks: Sequence[str], lengths: Sequence[int], samples: int,
     out: Path, progress: bool = True, model=None, tokenizer=None, domains: Sequence[str] = (DEFAULT_DOMAIN,),
+    tune_domain: str = DEFAULT_DOMAIN,
 ) -> dict:
     """RULER-style tasks through every row's cache; returns (and writes to `out`) the results.
 
     A cell is {preset, domain, task, length, accuracy, samples, seconds}: over seeds 0..samples-1, accuracy is the
     mean recall of the answers in the greedy generation through the row's cache (`synthetic.score`).
-    `model`/`tokenizer` reuse a loaded model of `model_name` instead of loading it.
+    `model`/`tokenizer` reuse a loaded model of `model_name` instead of loading it; `tuned:ROW@BITS` rows are tuned
+    on `tune_domain`'s calibration split.
     """
     unknown = [t for t in tasks if t not in synthetic.RULER_TASKS]
     if unknown or not tasks:
@@ -176,19 +186,20 @@ def run_suite(
 
     grid = [{"domain": d, "task": t, "length": int(n)}
             for d in _domains(domains) for t in dict.fromkeys(tasks) for n in sorted(set(lengths))]
-    settings = {"samples": samples, "max_new_tokens": MAX_NEW_TOKENS}
+    settings = {"samples": samples, "max_new_tokens": MAX_NEW_TOKENS, **_tuning(presets, tune_domain)}
     return _run_cells(SUITE, model_name, presets, grid, settings, out, measure, model, tokenizer, progress)
 
 
 def run_needle(
     model_name: str, presets: Sequence[str], lengths: Sequence[int], depths: Sequence[float], samples: int,
     out: Path, progress: bool = True, model=None, tokenizer=None, domains: Sequence[str] = (DEFAULT_DOMAIN,),
+    tune_domain: str = DEFAULT_DOMAIN,
 ) -> dict:
     """Needle-in-a-haystack through every row's cache, scored only; returns (and writes to `out`) the results.
 
     `depths` are fractions of the context, 0 (start) to 1 (end). A cell is {preset, domain, length, depth, accuracy,
     logprob, samples, seconds}: accuracy is the fraction of samples whose answer greedy decoding would produce,
-    logprob the mean answer log-probability (nats).
+    logprob the mean answer log-probability (nats). `tuned:ROW@BITS` rows are tuned on `tune_domain`.
     """
     bad = [d for d in depths if not 0 <= d <= 1]
     if bad or not depths:
@@ -207,5 +218,5 @@ def run_needle(
 
     grid = [{"domain": name, "length": int(n), "depth": float(d)}
             for name in _domains(domains) for n in sorted(set(lengths)) for d in sorted(set(depths))]
-    return _run_cells(NEEDLE, model_name, presets, grid, {"samples": samples}, out, measure, model, tokenizer,
-                      progress)
+    settings = {"samples": samples, **_tuning(presets, tune_domain)}
+    return _run_cells(NEEDLE, model_name, presets, grid, settings, out, measure, model, tokenizer, progress)

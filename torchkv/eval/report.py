@@ -102,7 +102,7 @@ def markdown_table(results: dict) -> str:
     header += [f"ppl {_column(ctx, ppl_keys)} {mode}" for mode, ctx in ppl_cols]
     header += [f"retrieval {_column(c, ret_cols)} acc / logp" for c in ret_cols]
     steps = [g["new_tokens"] + g.get("warm_steps", 0) for g in ref.get("generation", [])[:1]]
-    header += [f"cache MiB @{c}" for c in gen_ctx[-1:]]
+    header += [f"cache MiB @{longest(ref)['context']}"] if gen_ctx else []
     header += [f"short generation @{c}: s for prompt + {n} tokens" for c, n in zip(gen_ctx, steps)]
     header += [f"steady-state decode tok/s @{c}" for c in gen_ctx] + [f"prefill tok/s @{c}" for c in gen_ctx[:1]]
     header += ["peak RSS growth MiB"]
@@ -115,7 +115,7 @@ def markdown_table(results: dict) -> str:
         cells += [_ppl_cell(row, ref, mode, ctx) for mode, ctx in ppl_cols]
         cells += [_retrieval_cell(row, c) for c in ret_cols]
         if gen_ctx:
-            cells.append(_num(gens.get(gen_ctx[-1], {}).get("cache_bytes", 0) / 2**20 or None, ".1f"))
+            cells.append(_num(longest(row) and longest(row)["cache_bytes"] / 2**20, ".1f"))
             cells.append(_short_generation_cell(first, ref_gens.get(gen_ctx[0])))
         cells += [_decode_cell(gens.get(c), ref_gens.get(c)) for c in gen_ctx]
         if gen_ctx:

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache, StaticCache
 from transformers.cache_utils import Cache
 
+from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.models import patched
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache, resolve_pipeline
@@ -43,7 +44,7 @@ class Method:
     _step: tuple | None = field(default=None, repr=False, compare=False)
 
     def tune_for(self, model, tokenizer, tokens: int, out_dir: Path | None, progress: bool = True,
-                 domain: str = "wiki") -> None:
+                 domain: str = DEFAULT_DOMAIN) -> None:
         """Tune a tuned row on `model` (on `tokens` of `domain`'s calibration split; one sensitivity measurement per
         starting row, model and domain serves every budget), and save its pipeline under `out_dir/tuned/` when
         given."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from torchkv import registry
 from torchkv._compat import config_head_dim
+from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.memory import peak_rss, reset_peak
 from torchkv.pipeline import KVPipeline
 from torchkv.fitting.tuning.allocate import allocate
@@ -148,7 +149,7 @@ _MEASURED: "weakref.WeakKeyDictionary[Any, dict[str, Sensitivity]]" = weakref.We
 
 
 def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32768, progress: bool = True,
-                            domain: str = "wiki") -> Sensitivity:
+                            domain: str = DEFAULT_DOMAIN) -> Sensitivity:
     """`measure` on `tokens` of `domain`'s calibration split (`torchkv.corpora`) in 1,024-token windows, once per
     model, starting pipeline and domain (a sweep of budgets costs one measurement)."""
     from torchkv.corpora import split_articles
@@ -164,7 +165,7 @@ def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32
 
 
 def tuned_on_calibration_split(pipe: KVPipeline, model, tokenizer, budget: float, tokens: int = 32768,
-                               progress: bool = True, domain: str = "wiki") -> tuple[KVPipeline, dict[str, Any]]:
+                               progress: bool = True, domain: str = DEFAULT_DOMAIN) -> tuple[KVPipeline, dict[str, Any]]:
     """`tune` on `domain`'s calibration split, its sensitivities from `calibration_sensitivity`."""
     started = time.perf_counter()
     check_budget(budget, *reachable(check_tunable(pipe, model), model))
