@@ -361,8 +361,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cells", default="1b:1x4096,1b:1x32768,1b:16x16384,8b:8x32768",
                         help="SHAPE:BATCHxCONTEXT, SHAPE one of " + ", ".join(SHAPES))
-    parser.add_argument("--rows", default=f"dynamic,{STATIC_BASELINE},kivi-2bit,compiled:kivi-2bit,compiled:kivi-4bit")
-    parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit",
+    parser.add_argument("--rows", default=f"dynamic,{STATIC_BASELINE},kivi-2bit,compiled:kivi-2bit,compiled:kivi-4bit,"
+                                          "frontier-2bit,compiled:frontier-2bit")
+    parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit,frontier-2bit",
                         help="presets whose decode attention of one layer is timed alone in every cell")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before them")

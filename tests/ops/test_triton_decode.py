@@ -1,4 +1,5 @@
-"""The Triton split-K decode kernel over KIVI's stored form equals its eager reference and the Inductor path.
+"""The Triton split-K decode kernels over KIVI's stored form and over grid-coded keys (frontier's) equal their eager
+references and the Inductor path.
 
 On a machine without a GPU the kernels run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set by
 conftest before Triton is imported), in float32 and float16 (the interpreter has no bfloat16)."""
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 import torchkv
 import torchkv.transforms as T
 from torchkv.models import cache_argument
-from torchkv.ops import triton_decode
+from torchkv.ops import triton_decode, triton_grid_decode
 from torchkv.pipeline import LayerState
 from torchkv.testing import tiny_model
 
@@ -135,11 +136,108 @@ def test_many_splits_combine(masked):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
+@st.composite
+def grid_cases(draw):
+    """A frontier-like pipeline (optionally balanced HIGGS keys on a 256-point grid, Hadamard-rotated symmetric
+    per-token values) over a history as in `cases`."""
+    c = draw(cases())
+    return {**c, "dim": draw(st.sampled_from([32, 64, 80])), "key_bits": draw(st.sampled_from([1, 2, 4])),
+            "span": draw(st.sampled_from(["head", "token"])), "balance": draw(st.booleans()),
+            "key_meta": draw(st.sampled_from(["float16", "float32", "float8_e5m2", "float8_e4m3fn"])),
+            "value_meta": draw(st.sampled_from(["float16", "float8_e5m2", "float8_e4m3fn"])),
+            "tiny": c["dtype"] == torch.float32 and draw(st.booleans())}  # 16-bit tokens this small are subnormal
+
+
+def _grid_inputs(c):
+    """As `_inputs`, for a `grid_cases` pipeline; "tiny" keys and values have subnormal float8 metadata."""
+    g = torch.Generator().manual_seed(c["seed"])
+    higgs = T.quantize("higgs", bits=c["key_bits"], dim=8 // c["key_bits"], span=c["span"], scale_dtype=c["key_meta"])
+    values = T.quantize(bits=c["bits"], axis="token", group=None, symmetric=True, step="gaussian",
+                        meta_dtype=c["value_meta"])
+    pipe = torchkv.KVPipeline(keys=[*([T.project("balance")] if c["balance"] else []), higgs, T.pack()],
+                              values=[T.rotate("hadamard"), values, T.pack()])
+    b, h, d, hq = c["batch"], c["heads"], c["dim"], c["heads"] * c["ratio"]
+    tokens = c["chunks"] * pipe.chunk
+    size = 1e-5 if c["tiny"] else 1.0
+    k = (torch.randn(b, h, tokens, d, generator=g) * 2 + 0.5) * size
+    v = torch.randn(b, h, tokens, d, generator=g) * size
+    prepared = pipe.prepare(k, v, inputs={"queries": torch.randn(b, hq, tokens, d, generator=g)})
+    state = pipe.encode_chunk(k, v, prepared=prepared)
+    q = torch.randn(b, hq, 1, d, generator=g) * d**-0.5
+    kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2 * size).to(c["dtype"])
+    vf = (torch.randn(b, h, c["fp"], d, generator=g) * size).to(c["dtype"])
+    n = tokens + c["fp"]
+    index = torch.arange(n)
+    mask = (index[None] >= torch.tensor([c["pad"], 0][:b])[:, None])
+    if c["window"] is not None:
+        mask = mask & (index >= n - c["window"])[None]
+    mask[:, -1] = True
+    live = torch.tensor(c["live"] * pipe.chunk)
+    to = lambda tensors: {n: t.to(DEVICE) for n, t in tensors.items()}  # noqa: E731
+    return pipe, to(state), to(prepared), *(t.to(DEVICE) for t in (q, kf, vf, mask, live))
+
+
+def _grid_args(pipe, s, q, kf, vf, mask, live, softcap, bias):
+    b, hq, _, d = q.shape
+    higgs = pipe.keys.transforms[pipe.keys.reader]
+    return (q.reshape(b, hq, d), q.reshape(b, hq, d), s["k.out"],
+            s[f"k.{pipe.keys.reader}.scale"][..., 0], higgs.grid.to(DEVICE), s["v.out"], s["v.1.scale"][..., 0], kf, vf,
+            mask, bias, live, softcap, higgs.row_norm(kf.shape[1], d), pipe.values.transforms[1].config.bits)
+
+
+@settings(max_examples=12)
+@given(c=grid_cases())
+def test_grid_kernel_equals_eager_reference(c):
+    pipe, s, _, q, kf, vf, mask, live = _grid_inputs(c)
+    bias = torch.randn(q.shape[0], q.shape[1], device=DEVICE) * 0.1
+    args = _grid_args(pipe, s, q, kf, vf, mask, live, c["softcap"], bias)
+    expected = triton_grid_decode.grid_decode_reference(*args)
+    got = triton_grid_decode.grid_decode(*args)
+    for name, x, y in zip(("out", "lse", "s_fp"), got, expected):
+        torch.testing.assert_close(x, y, **_tolerance(c["dtype"]), msg=name)
+
+
+@settings(max_examples=8)
+@given(c=grid_cases())
+def test_pipeline_grid_kernel_path_equals_the_inductor_path(c):
+    """`Codec.attend` of a frontier-like pipeline through the grid kernel (query balanced and rotated, window values
+    rotated into the codes' domain, the output rotated back) gives what the CPU path gives."""
+    pipe, s, prepared, q, kf, vf, mask, live = _grid_inputs(c)
+    encoded = {n: t.unflatten(2, (c["chunks"], -1)) for n, t in s.items()}
+    index = torch.arange(mask.shape[1], device=DEVICE)
+    live_mask = mask & ((index < live) | (index >= c["chunks"] * pipe.chunk))[None]
+    args = (q.float(), encoded, kf, vf, live_mask[:, None, None], c["softcap"] or None, LayerState({}, prepared, {}))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_decode, "runs_on", lambda device: False)
+        expected = pipe.codec.attend(*args)
+        patch.setattr(triton_decode, "runs_on", lambda device: True)
+        assert pipe.codec.kernel(c["dim"]) == ("grid", None)
+        got = pipe.codec.attend(*args, live=live)
+    scale = 1e-5 if c["tiny"] else 1.0
+    tol = _tolerance(c["dtype"])
+    torch.testing.assert_close(got[0], expected[0], atol=tol["atol"] * scale, rtol=tol["rtol"])
+    torch.testing.assert_close(got[1], expected[1], **(tol if c["dtype"] != torch.float32
+                                                       else dict(atol=1e-5, rtol=1e-4)))
+
+
+def test_grid_many_splits_combine():
+    c = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=40, fp=3, live=37, pad=5,
+             window=None, softcap=0.0, dtype=torch.float32, seed=3, key_bits=2, span="head", balance=True,
+             key_meta="float8_e5m2", value_meta="float8_e5m2", tiny=False)
+    pipe, s, _, q, kf, vf, mask, live = _grid_inputs(c)
+    assert triton_decode._splits(1, 40 * 32)[1] > 8
+    args = _grid_args(pipe, s, q, kf, vf, mask, live, 0.0, None)
+    for x, y in zip(triton_grid_decode.grid_decode(*args), triton_grid_decode.grid_decode_reference(*args)):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("capacity", [None, 200])
-def test_a_model_decodes_through_the_kernel(capacity, monkeypatch):
+@pytest.mark.parametrize("preset, capacity", [("kivi-2bit", None), ("kivi-2bit", 200), ("frontier-2bit", None),
+                                              ("frontier-2bit", 200)])
+def test_a_model_decodes_through_the_kernel(preset, capacity, monkeypatch):
     """A padded batch on a tiny model with sinks: the kernel path (growing store, one launch per row group, or
-    fixed-capacity buffers) gives the logits of the Inductor path across window flushes."""
+    fixed-capacity buffers) gives the logits of the Inductor path across window flushes; frontier's first layer
+    at 4 bits (2-D grid) and its second at 2 (4-D grid), each through its own kernel launch."""
     model = tiny_model("llama").to(DEVICE)
     ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones_like(ids)
@@ -148,7 +246,8 @@ def test_a_model_decodes_through_the_kernel(capacity, monkeypatch):
     monkeypatch.setattr(triton_decode, "_combine_kernel", launches)
     for kernel in (False, True):
         monkeypatch.setattr(triton_decode, "runs_on", lambda device, kernel=kernel: kernel)
-        pipe = torchkv.KVPipeline.from_preset("kivi-2bit", residual=16, sinks=2, compile=True)  # graphs of its own
+        options = {"wide_layers": 1} if preset.startswith("frontier") else {}
+        pipe = torchkv.KVPipeline.from_preset(preset, residual=16, sinks=2, compile=True, **options)  # own graphs
         with torchkv.patched(model, pipe):
             cache = torchkv.new_cache(model, max_cache_len=capacity)
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
@@ -161,8 +260,9 @@ def test_a_model_decodes_through_the_kernel(capacity, monkeypatch):
 
 
 def test_explain_names_the_kernel_or_why_not():
-    assert "Triton kernel" in torchkv.KVPipeline.from_preset("kivi-2bit").explain()
-    assert "no GPU kernel" in torchkv.KVPipeline.from_preset("frontier-2bit").explain()
+    assert "KIVI's layout" in torchkv.KVPipeline.from_preset("kivi-2bit").explain()
+    assert "grid-coded keys" in torchkv.KVPipeline.from_preset("frontier-2bit").explain()
+    assert "frontier's" in torchkv.KVPipeline.from_preset("frontier-2bit", values="higgs").explain()  # grid values
 
 
 @pytest.mark.parametrize("block, dtype", [(64, torch.float32), (128, torch.float32), (8, torch.float32),

@@ -54,11 +54,18 @@ def kivi_decode_reference(
     from torchkv.ops.pack import unpack_bits
     from torchkv.ops.quantize import dequantize
 
-    b, hq, d = q_fp.shape
-    h, te = kc.shape[1], kc.shape[2]
-    g = hq // h
+    d, te = q_fp.shape[-1], kc.shape[2]
     k_hat = dequantize(unpack_bits(kc, bits_k, d), ks, kz, bits_k, -2, te // ks.shape[2])
     v_hat = dequantize(unpack_bits(vc, bits_v, d), vs, vz, bits_v, -1, d // vs.shape[-1])
+    return reference_attention(q_enc, q_fp, k_hat, v_hat, kf, vf, mask, bias, live, softcap)
+
+
+def reference_attention(q_enc, q_fp, k_hat, v_hat, kf, vf, mask, bias, live, softcap: float):
+    """The decode kernels' result from rebuilt encoded keys and values `k_hat`, `v_hat` `[B, H, TE, D]` (the
+    references' common part; other arguments and the returns as `kivi_decode`)."""
+    b, hq, d = q_fp.shape
+    h, te = k_hat.shape[1], k_hat.shape[2]
+    g = hq // h
     s_enc = torch.einsum("bhgd,bhtd->bhgt", q_enc.view(b, h, g, d), k_hat)
     if bias is not None:
         s_enc = s_enc + bias.view(b, h, g, 1)
@@ -186,6 +193,27 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
+    def _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_LIVE: tl.constexpr):
+        """Encoded tokens [start, end) of `split` (none past the live count), and the bias of the query heads `hq`."""
+        extra = tl.zeros([BLOCK_G], tl.float32)
+        if HAS_BIAS:
+            extra = tl.load(bias + hq, mask=gmask, other=0.0)
+        end = TE
+        if HAS_LIVE:
+            end = tl.minimum(end, tl.load(live).to(tl.int32))
+        start = split * SPLIT
+        return start, tl.minimum(end, start + SPLIT), extra
+
+    @triton.jit
+    def _store_partial(part_o, part_m, part_l, m, l, acc, hq, gmask, split, NSPLIT, dv, dv_ok, D: tl.constexpr):
+        """A split's running max, sum and unnormalized output `[G, D]` (planar columns `dv`), for the combine."""
+        at = hq * (NSPLIT + 1) + split
+        tl.store(part_m + at, m, mask=gmask)
+        tl.store(part_l + at, l, mask=gmask)
+        tl.store(part_o + at[:, None] * D + dv[None, :], acc, mask=gmask[:, None] & dv_ok[None, :])
+
+    @triton.jit
     def _split_kernel(
         q_enc, q_fp, kc, ks, kz, vc, vs, vz, kf, vf, mask, bias, live,
         part_o, part_m, part_l, s_fp,
@@ -213,14 +241,7 @@ if triton is not None:
         if split < NSPLIT:  # encoded tokens [start, end)
             dk, dk_ok = _planar(BITS_K, MK, MK_PAD, D)
             q = tl.load(q_enc + hq[:, None] * D + dk[None, :], mask=gmask[:, None] & dk_ok[None, :], other=0.0)
-            extra = tl.zeros([BLOCK_G], tl.float32)
-            if HAS_BIAS:
-                extra = tl.load(bias + hq, mask=gmask, other=0.0)
-            end = TE
-            if HAS_LIVE:
-                end = tl.minimum(end, tl.load(live).to(tl.int32))
-            start = split * SPLIT
-            end = tl.minimum(end, start + SPLIT)
+            start, end, extra = _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G, HAS_BIAS, HAS_LIVE)
             for t0 in range(start, end, BLOCK):
                 t = t0 + ob
                 tmask = t < end
@@ -234,11 +255,7 @@ if triton is not None:
         else:
             m, l, acc = _full_precision_part(q_fp, kf, vf, s_fp, mask, mrow, softcap, m, l, acc, bh, hq, gmask, dv,
                                              dv_ok, TE, F, D, HAS_MASK, SOFTCAP, BLOCK_D, BLOCK, DOT, PRECISION)
-        parts = NSPLIT + 1
-        at = hq * parts + split
-        tl.store(part_m + at, m, mask=gmask)
-        tl.store(part_l + at, l, mask=gmask)
-        tl.store(part_o + at[:, None] * D + dv[None, :], acc, mask=gmask[:, None] & dv_ok[None, :])
+        _store_partial(part_o, part_m, part_l, m, l, acc, hq, gmask, split, NSPLIT, dv, dv_ok, D)
 
     @triton.jit
     def _combine_kernel(part_o, part_m, part_l, out, lse, PARTS,

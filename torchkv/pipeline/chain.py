@@ -125,10 +125,23 @@ class Chain:
         `sums_stored`)."""
         r, dims = self.reader, self.dims(dim)
         out = self.transforms[r].weighted_sum(p, state["out"], substate(state, f"{r}."), self._ctx(r, dims[r], own))
-        total = p.sum((-2, -1))[..., None]
-        for i in reversed(range(r)):
+        return self.map_sum(out, p.sum((-2, -1))[..., None], dim, own)
+
+    def map_sum(self, out: torch.Tensor, total: torch.Tensor, dim: int, own: LayerState) -> torch.Tensor:
+        """A weighted sum `out` [..., dim'] of the reader's inputs (weights summing to `total` [..., 1]) mapped back
+        through the transforms before the reader: the weighted sum of the chain's inputs."""
+        dims = self.dims(dim)
+        for i in reversed(range(self.reader)):
             out = self.transforms[i].map_output(out, total, self._ctx(i, dims[i], own))
         return out
+
+    def to_reader(self, x: torch.Tensor, dim: int, own: LayerState) -> torch.Tensor:
+        """`x: [B, H, T, dim]` through the transforms before the reader: the domain that `map_sum` maps back from
+        (requires `sums_stored`)."""
+        dims = self.dims(dim)
+        for i, t in enumerate(self.transforms[: self.reader]):
+            x, _ = t.encode(x, self._ctx(i, dims[i], own))
+        return x
 
     def dims(self, dim: int) -> list[int]:
         """Input feature size of every transform for a chain input of size `dim`."""

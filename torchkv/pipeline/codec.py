@@ -1,6 +1,6 @@
 """`Codec`: encode, decode and decode attention of one pair of chains over explicit state, and the library's one
 compile boundary: `Codec.run` decides whether a call runs eagerly or through `torch.compile` (CPU Inductor, or
-Inductor with the Triton kernel of `ops.triton_decode` on CUDA)."""
+Inductor with a Triton kernel of `ops.triton_decode` or `ops.triton_grid_decode` on CUDA)."""
 
 import dataclasses
 import math
@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping
 import torch
 
 from torchkv._compat import mark_dynamic, own_cache, recompile_headroom
-from torchkv.ops import triton_decode
+from torchkv.ops import triton_decode, triton_grid_decode
 from torchkv.pipeline.chain import Chain, decode_pair, side_inputs
 from torchkv.pipeline.state import LayerState, prefixed, side_of, substate
-from torchkv.transforms.quantizers import UniformQuantize
+from torchkv.transforms.quantizers import HiggsQuantize, UniformQuantize
 
 #: compiled code rounds through the stored metadata dtypes exactly as eager does
 COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp_wrapper": True}
@@ -116,7 +116,7 @@ class Codec:
         return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
 
     def kernel_attend(self, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live):
-        """`attend` as one call of the Triton kernel over the KIVI-coded chunks (`kernel_refusal` is None)."""
+        """`attend` as one call of a Triton kernel over the stored form (`kernel` names one)."""
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
         q_fp = q.reshape(b, h, hq // h, d).float()
@@ -124,12 +124,23 @@ class Codec:
         bias = None if offset is None else offset.expand(b, h, hq // h, 1).reshape(b, hq)
         codes = {n: t.flatten(2, 3) for n, t in encoded.items()}  # [B, H, NC·rows per chunk, ...]
         kr, vr = self.keys.reader, self.values.reader
-        out, lse, s_fp = triton_decode.kivi_decode(
-            q_enc.reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"], codes[f"k.{kr}.scale"],
-            codes[f"k.{kr}.zero"], codes["v.out"], codes[f"v.{vr}.scale"], codes[f"v.{vr}.zero"], k_fp, v_fp,
-            None if mask is None else mask.reshape(mask.shape[0], -1), bias, live, softcap or 0.0,
-            self.keys.transforms[kr].config.bits, self.values.transforms[vr].config.bits,
-        )
+        keys, values = self.keys.transforms[kr], self.values.transforms[vr]
+        own_v = side_of(layer, "v")
+        v_stored = self.values.to_reader(v_fp, d, own_v)  # the window's values where the codes' sums are
+        common = (None if mask is None else mask.reshape(mask.shape[0], -1), bias, live, softcap or 0.0)
+        if self.kernel(d)[0] == "kivi":
+            out, lse, s_fp = triton_decode.kivi_decode(
+                q_enc.reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"], codes[f"k.{kr}.scale"],
+                codes[f"k.{kr}.zero"], codes["v.out"], codes[f"v.{vr}.scale"], codes[f"v.{vr}.zero"], k_fp, v_stored,
+                *common, keys.config.bits, values.config.bits,
+            )
+        else:
+            out, lse, s_fp = triton_grid_decode.grid_decode(
+                keys.rotated_query(q_enc).reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"],
+                codes[f"k.{kr}.scale"][..., 0], keys.grid.to(q.device), codes["v.out"], codes[f"v.{vr}.scale"][..., 0],
+                k_fp, v_stored, *common, keys.row_norm(h, d), values.config.bits,
+            )
+        out = self.values.map_sum(out.view(b, h, hq // h, d), out.new_ones(()), d, own_v)
         fp_attention = torch.exp(s_fp - lse[..., None]).mean((0, 1))  # [F]
         return out.reshape(b, hq, 1, d), fp_attention, {}
 
@@ -206,27 +217,35 @@ class Codec:
         self._kernel_warned = True
 
     def kernel_refusal(self, head_dim: int = 128) -> str | None:
-        """Why decode attention on a GPU cannot run the Triton kernel over KIVI's stored form (`ops.triton_decode`)
-        for heads of `head_dim`, and runs the Inductor path instead; None when it runs the kernel."""
+        """Why decode attention on a GPU runs no Triton kernel for heads of `head_dim`, and runs the Inductor path
+        instead; None when it runs one (`kernel`)."""
+        return self.kernel(head_dim)[1]
+
+    def kernel(self, head_dim: int = 128) -> tuple[str | None, str | None]:
+        """The Triton kernel that decode attention on a GPU runs for heads of `head_dim`, and why none: ("kivi",
+        None) for KIVI's layout (`ops.triton_decode`), ("grid", None) for grid-coded keys and per-token symmetric
+        values (`ops.triton_grid_decode`), (None, the reason) otherwise."""
         if triton_decode.triton is None:
-            return "Triton is not installed"
+            return None, "Triton is not installed"
         if not self.compile:
-            return "compile=False runs decode attention eagerly over rebuilt tokens"
+            return None, "compile=False runs decode attention eagerly over rebuilt tokens"
         if self.carries or self.keys.selector is not None:
-            return "the pipeline predicts across layers or selects chunks"
+            return None, "the pipeline predicts across layers or selects chunks"
         if not (self.keys.scores_stored and self.values.sums_stored):
-            return "decode attention rebuilds its keys or values"
+            return None, "decode attention rebuilds its keys or values"
+        if any(chain.dims(head_dim)[chain.reader] != head_dim for chain in (self.keys, self.values)):
+            return None, "a transform before a quantizer changes the feature size, which no kernel reads"
         k, v = self.keys.transforms[self.keys.reader], self.values.transforms[self.values.reader]
-        for side, t, axis in (("keys", k, "channel"), ("values", v, "token")):
-            uniform = isinstance(t, UniformQuantize)
-            if not uniform or t.config.axis != axis or t.config.symmetric:
-                stored = f"{t.kind}.{t.name}" + (
-                    f"(axis={t.config.axis!r}, symmetric={t.config.symmetric})" if uniform else "")
-                return (f"the kernel reads asymmetric uniform codes per {axis} as {side} (KIVI's layout), and the "
-                        f"{side} are stored by {stored}")
-        if self.values.reader or self.keys.dims(head_dim)[self.keys.reader] != head_dim:
-            return "a transform before the value quantizer, or one that changes the key size, is not in the kernel"
-        return None
+        per_token = isinstance(v, UniformQuantize) and v.config.axis == "token"
+        if isinstance(k, UniformQuantize) and k.config.axis == "channel" and not k.config.symmetric:
+            if per_token and not v.config.symmetric:
+                return "kivi", None
+        elif isinstance(k, HiggsQuantize) and k.code_bits == 8:
+            if per_token and v.config.symmetric and v.config.group in (None, head_dim):
+                return "grid", None
+        return None, ("the kernels read asymmetric uniform keys per channel with asymmetric uniform values per token "
+                      "(KIVI's layout), or keys in 256-point grid codes with symmetric values, one step per token "
+                      f"(frontier's); the keys are stored by {k!r} and the values by {v!r}")
 
     def run(self, fn: Callable, *args):
         """`fn(*args)` (one of this codec's encode, decode, attend), eagerly or compiled as `compile` says (inside a

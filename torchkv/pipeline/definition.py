@@ -178,8 +178,8 @@ class KVPipeline:
         return describe.explain(self, num_layers)
 
     def kernel_refusal(self, head_dim: int = 128) -> str | None:
-        """Why decode attention on a GPU cannot run the Triton kernel over KIVI's stored form (`ops.triton_decode`)
-        for heads of `head_dim`, and runs the Inductor path instead; None when it runs the kernel."""
+        """Why decode attention on a GPU runs no Triton kernel over the stored form (`Codec.kernel`) for heads of
+        `head_dim`, and runs the Inductor path instead; None when it runs one."""
         return self.codec.kernel_refusal(head_dim)
 
     def attend_decode(

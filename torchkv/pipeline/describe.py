@@ -19,9 +19,10 @@ def explain(pipeline, num_layers: int | None = None) -> str:
             elif pipeline.carries and side == "keys" and why is None:
                 why = "the pipeline predicts across layers, and the next layer reads this one's rebuilt keys"
             parts.append(f"{side} {verb} from the stored form" if why is None else f"{side} rebuilt: {why}")
-        refusal = pipe.kernel_refusal()
-        parts.append("on CUDA the Triton kernel over KIVI's layout" if refusal is None
-                     else f"on CUDA no GPU kernel ({refusal}), Inductor's reductions")
+        kernel, refusal = pipe.codec.kernel()
+        parts.append({"kivi": "on CUDA the Triton kernel over KIVI's layout",
+                      "grid": "on CUDA the Triton kernel over grid-coded keys"}.get(kernel)
+                     or f"on CUDA no GPU kernel ({refusal}), Inductor's reductions")
         return "; ".join(parts)
 
     last = num_layers or max(pipeline.layer_chains, default=-1) + 2

@@ -230,11 +230,18 @@ class HiggsQuantize(Transform):
         rows = higgs_dequantize(y.transpose(1, 2).flatten(2), state["scale"][:, 0], self.grid, block)  # [B, T, H·F]
         return rows.unflatten(-1, (h, ctx.dim)).transpose(1, 2)  # [B, H, T, F]
 
+    def row_norm(self, heads: int, dim: int) -> float:
+        """r = 1/√(row size) for `heads` KV heads of `dim` features: a stored row is `s·r·grid[codes]`."""
+        return 1 / math.sqrt(dim if self.config.span == "head" else heads * dim)
+
+    def rotated_query(self, q: torch.Tensor) -> torch.Tensor:
+        """`q: [..., F]` in the codes' rotated domain, where `q·x̂ = s·r·(qH)·grid[codes]`."""
+        return hadamard(q, hadamard_block(q.shape[-1]))
+
     def _stored(self, packed: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int):
-        """Grid indices `[B, H, NC, C, F/d]` and each row's multiplier `s/√(row size)` `[B, H or 1, NC, C, 1]`."""
+        """Grid indices `[B, H, NC, C, F/d]` and each row's multiplier `s·r` `[B, H or 1, NC, C, 1]`."""
         codes = unpack_bits(packed, self.code_bits, dim // self.config.dim)
-        row = dim if self.config.span == "head" else packed.shape[1] * dim
-        return codes, state["scale"].float() / math.sqrt(row)
+        return codes, state["scale"].float() * self.row_norm(packed.shape[1], dim)
 
     def scores(self, q: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Decode attention scores read from packed grid codes.
@@ -247,7 +254,7 @@ class HiggsQuantize(Transform):
         """
         f = q.shape[-1]
         codes, scale = self._stored(packed, state, f)
-        return grid_scores(hadamard(q, hadamard_block(f)), codes, scale, self.grid.to(q.device))
+        return grid_scores(self.rotated_query(q), codes, scale, self.grid.to(q.device))
 
     def weighted_sum(
         self, p: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context
