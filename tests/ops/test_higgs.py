@@ -257,7 +257,8 @@ def test_rows_must_split_into_grid_vectors():
     with pytest.raises(ValueError, match="grid dimension 4 must divide the row size 66"):
         higgs_quantize(torch.randn(2, 66), load_grid(256, 4))
     t = T.quantize("higgs", bits=2, dim=4)
-    with pytest.raises(ValueError, match="dim=4 must divide the feature size 66"):
+    with pytest.raises(ValueError, match=r"dim=4 must divide the feature size 66; the shipped grids whose dimension "
+                                         r"divides it: \(bits=2, dim=2\), \(bits=3, dim=2\), \(bits=4, dim=2\)$"):
         t.encode(torch.randn(1, 1, 2, 66), Context(dim=66))
 
 

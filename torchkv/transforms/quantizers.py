@@ -206,7 +206,9 @@ class HiggsQuantize(Transform):
 
     def out_dim(self, dim: int) -> int:
         if dim % self.config.dim:
-            raise ValueError(f"quantize.higgs dim={self.config.dim} must divide the feature size {dim}")
+            fits = ", ".join(f"(bits={b}, dim={d})" for b, d in HIGGS_SHAPES if dim % d == 0) or "none"
+            raise ValueError(f"quantize.higgs dim={self.config.dim} must divide the feature size {dim}; the shipped "
+                             f"grids whose dimension divides it: {fits}")
         return dim // self.config.dim
 
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
