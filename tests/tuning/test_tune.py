@@ -4,6 +4,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import torchkv
@@ -13,6 +15,8 @@ from torchkv.pipeline import KVPipeline
 from torchkv.testing import tiny_model
 from torchkv.fitting.tuning import candidates, measure, tune
 from torchkv.fitting.tuning.candidates import rewidth
+from torchkv.fitting.tuning.sensitivity import Probe, _exposed_gradients, exposed_pairs
+from torchkv.store import flushed
 
 IDS = torch.randint(3, 128, (3, 256), generator=torch.Generator().manual_seed(0))
 
@@ -143,3 +147,42 @@ def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():
             tune(pipe, model, IDS, budget=budget, progress=False)
     with pytest.raises(ValueError, match="uncalibrated transforms .*`torchkv calibrate --preset aquakv-2bit"):
         tune(KVPipeline.from_preset("aquakv-2bit"), model, IDS, budget=2.5, progress=False)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 300), sinks=st.integers(0, 6), residual=st.integers(0, 64), chunk=st.sampled_from([16, 32]))
+def test_exposed_pairs_are_the_keys_each_decode_step_reads_encoded(tokens, sinks, residual, chunk):
+    pipe = KVPipeline(*_kivi(2), residual=residual, sinks=sinks, chunk=chunk)
+    exposed = exposed_pairs(pipe, tokens)
+    for query in range(tokens):  # the store after appending tokens 0..query one at a time
+        held = max(query + 1 - sinks, 0)
+        encoded = flushed(held, residual + chunk, chunk)
+        assert exposed[query].tolist() == [sinks <= key < sinks + encoded for key in range(tokens)]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads):
+    """With every causal pair exposed, the gradients equal autograd's through SDPA over perturbed keys and values;
+    with none exposed, they are zero; a pair's exposure moves only its own key's gradient."""
+    g = torch.Generator().manual_seed(0)
+    b, hq, t, d = 2, 4, 300, 16
+    q, k, v = torch.randn(b, hq, t, d, generator=g), torch.randn(b, kv_heads, t, d, generator=g), \
+        torch.randn(b, kv_heads, t, d, generator=g)
+    out_grad = torch.randn(b, t, hq, d, generator=g)
+    dk, dv = (torch.zeros_like(x, requires_grad=True) for x in (k, v))
+    groups = hq // kv_heads
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, (k + dk).repeat_interleave(groups, 1), (v + dv).repeat_interleave(groups, 1), is_causal=True)
+    (out.transpose(1, 2) * out_grad).sum().backward()
+    probe = Probe(q, k, v, None, d**-0.5, torch.zeros(b, t, hq, d))
+    every = torch.ones(t, t, dtype=torch.bool).tril()
+    g_k, g_v = _exposed_gradients(probe, out_grad, every)
+    torch.testing.assert_close(g_k, dk.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_v, dv.grad, atol=1e-4, rtol=1e-4)
+    assert all(x.abs().max() == 0 for x in _exposed_gradients(probe, out_grad, torch.zeros(t, t, dtype=torch.bool)))
+    far = every.clone()
+    far[:, 100:] = False  # keys from 100 on exposed to no query
+    g_k, g_v = _exposed_gradients(probe, out_grad, far)
+    assert g_k[:, :, 100:].abs().max() == 0 and g_v[:, :, 100:].abs().max() == 0
+    torch.testing.assert_close(g_k[:, :, :100], dk.grad[:, :, :100], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_v[:, :, :100], dv.grad[:, :, :100], atol=1e-4, rtol=1e-4)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 SUITE, NEEDLE = "long-suite", "needle"
@@ -176,7 +177,7 @@ def _heatmaps(results: dict, field: str, label: str, spec: str, path: Path) -> P
         low, high = low - 1.0, high + 1.0
     cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
     fig, axes = plt.subplots(1, len(presets), figsize=(0.9 * len(lengths) * len(presets) + 2.5, 0.45 * len(depths) + 2),
-                             squeeze=False)
+                             squeeze=False, layout="constrained")
     image = None
     for ax, preset in zip(axes[0], presets):
         at = {(c["length"], c["depth"]): c for c in results["cells"] if c["preset"] == preset}
@@ -191,10 +192,10 @@ def _heatmaps(results: dict, field: str, label: str, spec: str, path: Path) -> P
                 else:
                     ax.text(x, y, format(cell[field], spec), ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
-        ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_title(preset, fontsize=9)
+        ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths] if ax is axes[0, 0] else [])
+        ax.set_title(textwrap.fill(Path(preset).name, 18), fontsize=8)  # a saved folder by its own name
     axes[0, 0].set_ylabel("needle depth")
+    fig.supxlabel("context length (tokens)")
     fig.colorbar(image, ax=axes[0].tolist(), label=label, fraction=0.03)
     fig.suptitle(f"Needle in a haystack: {label} — {results['meta']['model']}")
     _note_skips(fig, results, -0.05)  # below the x labels; the tight bounding box takes it in
