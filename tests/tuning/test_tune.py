@@ -150,7 +150,8 @@ def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():
 
 
 @settings(max_examples=25, deadline=None)
-@given(tokens=st.integers(1, 300), sinks=st.integers(0, 6), residual=st.integers(0, 64), chunk=st.sampled_from([16, 32]))
+@given(tokens=st.integers(1, 300), sinks=st.integers(0, 6), residual=st.integers(0, 64),
+       chunk=st.sampled_from([16, 32]))
 def test_exposed_pairs_are_the_keys_each_decode_step_reads_encoded(tokens, sinks, residual, chunk):
     pipe = KVPipeline(*_kivi(2), residual=residual, sinks=sinks, chunk=chunk)
     exposed = exposed_pairs(pipe, tokens)

@@ -137,7 +137,7 @@ class Codec:
         else:
             out, lse, s_fp = triton_grid_decode.grid_decode(
                 keys.rotated_query(q_enc).reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"],
-                codes[f"k.{kr}.scale"][..., 0], keys.grid.to(q.device), codes["v.out"], codes[f"v.{vr}.scale"][..., 0],
+                codes[f"k.{kr}.scale"][..., 0], keys.grid_on(q.device), codes["v.out"], codes[f"v.{vr}.scale"][..., 0],
                 k_fp, v_stored, *common, keys.row_norm(h, d), values.config.bits,
             )
         out = self.values.map_sum(out.view(b, h, hq // h, d), out.new_ones(()), d, own_v)

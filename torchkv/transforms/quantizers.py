@@ -217,20 +217,29 @@ class HiggsQuantize(Transform):
         self.out_dim(f)  # d must divide F
         block, dtype = hadamard_block(f), META_DTYPES[cfg.scale_dtype]
         if cfg.span == "head":
-            codes, scale = higgs_quantize(x, self.grid, block, scale_dtype=dtype)
+            codes, scale = higgs_quantize(x, self.grid_on(x.device), block, scale_dtype=dtype)
             return codes, {"scale": scale}
         rows = x.transpose(1, 2).flatten(2)  # [B, T, H·F]
-        codes, scale = higgs_quantize(rows, self.grid, block, scale_dtype=dtype)
+        codes, scale = higgs_quantize(rows, self.grid_on(x.device), block, scale_dtype=dtype)
         codes = codes.unflatten(-1, (h, f // cfg.dim)).transpose(1, 2)  # [B, T, H·F/d] -> [B, H, T, F/d]
         return codes.contiguous(), {"scale": scale[:, None]}  # [B, 1, T, 1]; contiguous like every stored chunk
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         block = hadamard_block(ctx.dim)
         if self.config.span == "head":
-            return higgs_dequantize(y, state["scale"], self.grid, block)
+            return higgs_dequantize(y, state["scale"], self.grid_on(y.device), block)
         h = y.shape[1]
-        rows = higgs_dequantize(y.transpose(1, 2).flatten(2), state["scale"][:, 0], self.grid, block)  # [B, T, H·F]
+        rows = y.transpose(1, 2).flatten(2)  # [B, T, H·F/d]
+        rows = higgs_dequantize(rows, state["scale"][:, 0], self.grid_on(y.device), block)  # [B, T, H·F]
         return rows.unflatten(-1, (h, ctx.dim)).transpose(1, 2)  # [B, H, T, F]
+
+    def grid_on(self, device: torch.device) -> torch.Tensor:
+        """The grid `[n, d]` float32, kept on the device last asked for. A prompt's encoding moves it there before
+        any decode graph is traced, so compiled graphs read it as a tensor of their device: a CPU tensor copied
+        inside a CUDA graph would make Inductor skip CUDA graphs."""
+        if self.grid.device != device:
+            self.grid = self.grid.to(device)
+        return self.grid
 
     def row_norm(self, heads: int, dim: int) -> float:
         """r = 1/√(row size) for `heads` KV heads of `dim` features: a stored row is `s·r·grid[codes]`."""
@@ -256,14 +265,14 @@ class HiggsQuantize(Transform):
         """
         f = q.shape[-1]
         codes, scale = self._stored(packed, state, f)
-        return grid_scores(self.rotated_query(q), codes, scale, self.grid.to(q.device))
+        return grid_scores(self.rotated_query(q), codes, scale, self.grid_on(q.device))
 
     def weighted_sum(
         self, p: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context
     ) -> torch.Tensor:
         """`Σ_t p_t x̂_t` read from packed grid codes: p [B, H, g, NC, C] -> [B, H, g, F] float32."""
         codes, scale = self._stored(packed, state, ctx.dim)
-        return hadamard(grid_weighted_sum(p, codes, scale, self.grid.to(p.device)), hadamard_block(ctx.dim))
+        return hadamard(grid_weighted_sum(p, codes, scale, self.grid_on(p.device)), hadamard_block(ctx.dim))
 
 
 @dataclass(frozen=True, kw_only=True)
