@@ -201,13 +201,13 @@ def _tune(args) -> None:
           f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
 
 
-def _calibration_arguments(parser: argparse.ArgumentParser, batch: int, batch_help: str) -> None:
+def _calibration_arguments(parser: argparse.ArgumentParser, batch: int, batch_help: str, seq_len: int) -> None:
     """The model and calibration-sample options that `calibrate` and `tune` share."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=32768, help="calibration tokens (the domain's calibration split)")
     parser.add_argument("--domain", default="wiki", help="text domain to calibrate on: wiki, code, docs, or mixed "
                         "(pieces of all three in turn)")
-    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence")
+    parser.add_argument("--seq-len", type=int, default=seq_len, help="tokens per calibration sequence")
     parser.add_argument("--batch", type=int, default=batch, help=batch_help)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     cal.add_argument("--preset", required=True, help="a preset with transforms to fit, with overrides after colons, "
                      "e.g. aquakv-2bit or aquakv-2bit:span=token")
     cal.add_argument("--out", required=True, help="folder to save the calibrated pipeline in")
-    _calibration_arguments(cal, batch=4, batch_help="sequences per forward of one layer")
+    _calibration_arguments(cal, batch=4, batch_help="sequences per forward of one layer", seq_len=1024)
     cal.set_defaults(run=_calibrate)
 
     tn = sub.add_parser("tune", help="per-layer, per-K/V widths for a budget of stored bits per value, chosen "
@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     tn.add_argument("--preset", required=True, help="a preset (with overrides after colons) or a saved pipeline folder")
     tn.add_argument("--budget", type=float, required=True, help="stored bits per value, mean over layers, K and V")
     tn.add_argument("--out", required=True, help="folder to save the tuned pipeline in")
-    _calibration_arguments(tn, batch=1, batch_help="sequences per forward and backward pass")
+    _calibration_arguments(tn, batch=1, batch_help="sequences per forward and backward pass",
+                           seq_len=2048)  # torchkv.fitting.tuning.SEQ_LEN, not imported: the parser stays light
     tn.set_defaults(run=_tune)
 
     sub.add_parser("lm-eval", help="lm-evaluation-harness with the `torchkv` model and torchkv's offline tasks "

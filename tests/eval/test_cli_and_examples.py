@@ -135,8 +135,11 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
     from torchkv.eval.rows import method
 
     out = tmp_path / "tuned"
+    with pytest.raises(SystemExit):  # fewer tokens than one window of the default 2,048
+        main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "1024"])
+    assert "max_tokens=1024 is less than one window of seq_len=2048 tokens" in capsys.readouterr().err
     main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "1024",
-          "--domain", "docs", "--no-progress"])
+          "--seq-len", "1024", "--domain", "docs", "--no-progress"])
     assert f"wrote {out}" in capsys.readouterr().out
     report = json.loads((out / "tune.json").read_text())
     assert report["bits_per_value"] <= 2.125 and len(report["layers"]) == 30 and report["tokens"] == 1024

@@ -72,6 +72,9 @@ def token_windows(tokenizer, texts, seq_len: int, max_tokens: int) -> torch.Tens
         return ids[: max(1, max_tokens // ids.shape[1])]
     if tokenizer is None:
         raise ValueError("calibrating on texts needs the model's tokenizer: pipe.fit(model, texts, tokenizer=tokenizer)")
+    if max_tokens < seq_len:
+        raise ValueError(f"max_tokens={max_tokens} is less than one window of seq_len={seq_len} tokens: raise the "
+                         "calibration tokens (--tokens) or lower the window (--seq-len)")
     stream = tokenizer("\n\n".join(texts), return_tensors="pt", add_special_tokens=False).input_ids[0]
     count = min(stream.numel(), max_tokens) // seq_len
     if count < 1:

@@ -23,8 +23,12 @@ from torchkv.fitting.tuning.sensitivity import Sensitivity, measure
 
 #: bits per value of an uncompressed (float16) cache: a budget above it is an error
 FULL_PRECISION = 16.0
+#: tokens per calibration window. A query in a longer window reads more compressed tokens, as at the contexts
+#: served: frontier-2bit tuned to 2.5 bits on mixed text in 2,048-token windows lost +1.17/+1.81/+1.94% perplexity
+#: at 2K (wiki/code/docs), against +1.58/+2.52/+2.53% in 1,024-token windows (benchmarks/results/domains/)
+SEQ_LEN = 2048
 
-__all__ = ["CANDIDATE_BITS", "Candidate", "Sensitivity", "candidates", "measure", "allocate", "tune", "tuned_pipeline",
+__all__ = ["CANDIDATE_BITS", "SEQ_LEN", "Candidate", "Sensitivity", "candidates", "measure", "allocate", "tune", "tuned_pipeline",
            "check_tunable", "reachable",
            "calibration_sensitivity", "tuned_on_calibration_split"]
 
@@ -97,7 +101,7 @@ def tune(
     *,
     budget: float,
     tokenizer=None,
-    seq_len: int = 1024,
+    seq_len: int = SEQ_LEN,
     max_tokens: int = 32768,
     batch: int = 1,
     progress: bool = True,
@@ -150,8 +154,9 @@ _MEASURED: "weakref.WeakKeyDictionary[Any, dict[str, Sensitivity]]" = weakref.We
 
 def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32768, progress: bool = True,
                             domain: str = DEFAULT_DOMAIN) -> Sensitivity:
-    """`measure` on `tokens` of `domain`'s calibration split (`torchkv.corpora`) in 1,024-token windows, once per
-    model, starting pipeline and domain (a sweep of budgets costs one measurement)."""
+    """`measure` on `tokens` of `domain`'s calibration split (`torchkv.corpora`) in `SEQ_LEN`-token windows (one
+    window of `tokens` where they are fewer), once per model, starting pipeline and domain (a sweep of budgets costs
+    one measurement)."""
     from torchkv.corpora import split_articles
     from torchkv.fitting.calibrate import token_windows
 
@@ -159,7 +164,8 @@ def calibration_sensitivity(pipe: KVPipeline, model, tokenizer, tokens: int = 32
     key = json.dumps([pipe.config(), tokens, domain], sort_keys=True, default=str)
     measured = _MEASURED.setdefault(model, {})
     if key not in measured:
-        ids = token_windows(tokenizer, [text for _, text in split_articles("calibration", domain)], 1024, tokens)
+        ids = token_windows(tokenizer, [text for _, text in split_articles("calibration", domain)], min(SEQ_LEN, tokens),
+                            tokens)
         measured[key] = measure(pipe, model, ids, progress=progress)
     return measured[key]
 
