@@ -63,6 +63,18 @@ def cases(draw):
                 dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 99)))
 
 
+def _history_mask(c, tokens: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention mask `[B, tokens + fp]` of a case (row 0 left-padded, an optional sliding window, the new token
+    attending to itself) and its live count of encoded tokens."""
+    n = tokens + c["fp"]
+    index = torch.arange(n)
+    mask = (index[None] >= torch.tensor([c["pad"], 0][: c["batch"]])[:, None])  # row 0 left-padded
+    if c["window"] is not None:  # a sliding window over the newest tokens
+        mask = mask & (index >= n - c["window"])[None]
+    mask[:, -1] = True  # the new token attends to itself
+    return mask, torch.tensor(c["live"] * chunk)
+
+
 def _inputs(c):
     g = torch.Generator().manual_seed(c["seed"])
     pipe = _pipeline(c["bits"], c["key_group"], c["value_group"])
@@ -74,13 +86,7 @@ def _inputs(c):
     q = torch.randn(b, h * c["ratio"], 1, d, generator=g) * d**-0.5
     kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2).to(c["dtype"])
     vf = torch.randn(b, h, c["fp"], d, generator=g).to(c["dtype"])
-    n = tokens + c["fp"]
-    index = torch.arange(n)
-    mask = (index[None] >= torch.tensor([c["pad"], 0][:b])[:, None])  # row 0 left-padded
-    if c["window"] is not None:  # a sliding window over the newest tokens
-        mask = mask & (index >= n - c["window"])[None]
-    mask[:, -1] = True  # the new token attends to itself
-    live = torch.tensor(c["live"] * pipe.chunk)
+    mask, live = _history_mask(c, tokens, pipe.chunk)
     state = {n: t.to(DEVICE) for n, t in state.items()}
     return pipe, state, *(t.to(DEVICE) for t in (q, kf, vf, mask, live))
 
@@ -166,13 +172,7 @@ def _grid_inputs(c):
     q = torch.randn(b, hq, 1, d, generator=g) * d**-0.5
     kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2 * size).to(c["dtype"])
     vf = (torch.randn(b, h, c["fp"], d, generator=g) * size).to(c["dtype"])
-    n = tokens + c["fp"]
-    index = torch.arange(n)
-    mask = (index[None] >= torch.tensor([c["pad"], 0][:b])[:, None])
-    if c["window"] is not None:
-        mask = mask & (index >= n - c["window"])[None]
-    mask[:, -1] = True
-    live = torch.tensor(c["live"] * pipe.chunk)
+    mask, live = _history_mask(c, tokens, pipe.chunk)
     to = lambda tensors: {n: t.to(DEVICE) for n, t in tensors.items()}  # noqa: E731
     return pipe, to(state), to(prepared), *(t.to(DEVICE) for t in (q, kf, vf, mask, live))
 
@@ -181,7 +181,8 @@ def _grid_args(pipe, s, q, kf, vf, mask, live, softcap, bias):
     b, hq, _, d = q.shape
     higgs = pipe.keys.transforms[pipe.keys.reader]
     return (q.reshape(b, hq, d), q.reshape(b, hq, d), s["k.out"],
-            s[f"k.{pipe.keys.reader}.scale"][..., 0], higgs.grid.to(DEVICE), s["v.out"], s["v.1.scale"][..., 0], kf, vf,
+            s[f"k.{pipe.keys.reader}.scale"][..., 0], higgs.grid_on(q.device), s["v.out"],
+            s[f"v.{pipe.values.reader}.scale"][..., 0], kf, vf,
             mask, bias, live, softcap, higgs.row_norm(kf.shape[1], d), pipe.values.transforms[1].config.bits)
 
 

@@ -80,8 +80,9 @@ class Codec:
         tokens: `(out [B, Hq, 1, D], fp_attention [F], carry)` (shapes as `attend_decode`)."""
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
-        if triton_decode.runs_on(q.device) and self.kernel_refusal(d) is None:
-            return self.kernel_attend(q, encoded, k_fp, v_fp, mask, softcap, layer, live)
+        kernel = self.kernel(d)[0] if triton_decode.runs_on(q.device) else None
+        if kernel is not None:
+            return self.kernel_attend(kernel, q, encoded, k_fp, v_fp, mask, softcap, layer, live)
         qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
         flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
         carry: dict[str, torch.Tensor] = {}
@@ -115,8 +116,9 @@ class Codec:
         out = out + p_fp @ v_fp.float()
         return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
 
-    def kernel_attend(self, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live):
-        """`attend` as one call of a Triton kernel over the stored form (`kernel` names one)."""
+    def kernel_attend(self, kernel: str, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live):
+        """`attend` as one call of the Triton kernel `kernel` ("kivi" or "grid", as `kernel()` chose) over the stored
+        form."""
         b, hq, _, d = q.shape
         h = k_fp.shape[1]
         q_fp = q.reshape(b, h, hq // h, d).float()
@@ -128,7 +130,7 @@ class Codec:
         own_v = side_of(layer, "v")
         v_stored = self.values.to_reader(v_fp, d, own_v)  # the window's values where the codes' sums are
         common = (None if mask is None else mask.reshape(mask.shape[0], -1), bias, live, softcap or 0.0)
-        if self.kernel(d)[0] == "kivi":
+        if kernel == "kivi":
             out, lse, s_fp = triton_decode.kivi_decode(
                 q_enc.reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"], codes[f"k.{kr}.scale"],
                 codes[f"k.{kr}.zero"], codes["v.out"], codes[f"v.{vr}.scale"], codes[f"v.{vr}.zero"], k_fp, v_stored,
