@@ -4,7 +4,8 @@ A left-padded batch of held-out Wikipedia prompts of different lengths generates
 prompt then generates alone. Per row: how many leading tokens match and the largest |Δ log-prob| of any token at any
 step. Rows: `DynamicCache` (the model's own batch noise), each preset with its row groups (a padded row held as it
 would be alone), measured in the same run: the same preset held as one store over the padded batch (what torchkv
-did before row groups), and on fixed-capacity caches (`max_cache_len`), which hold no row groups.
+did before row groups), on fixed-capacity caches (`max_cache_len`, one set of buffers per row group), and with the
+whole step over them compiled by Inductor (`generate`'s compile config).
 
     python benchmarks/batch_invariance.py --out benchmarks/results/batch_invariance.json
 """
@@ -14,7 +15,7 @@ import contextlib
 import time
 
 import torch
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache
 
 import torchkv
 from torchkv.corpora import documents
@@ -24,10 +25,10 @@ from torchkv.models.cache import TorchKVLayer
 from torchkv.pipeline import KVPipeline
 
 
-def _greedy(model, ids, mask, tokens: int, cache=None):
+def _greedy(model, ids, mask, tokens: int, cache=None, **options):
     extra = {} if cache is None else cache_argument(model, cache)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                         pad_token_id=2, return_dict_in_generate=True, output_scores=True, **extra)
+                         pad_token_id=2, return_dict_in_generate=True, output_scores=True, **extra, **options)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1).float().log_softmax(-1)
 
 
@@ -42,25 +43,32 @@ def _one_store():
         TorchKVLayer.split_rows = split
 
 
-def _compare(model, rows, tokens: int, dynamic: bool, fixed: bool = False) -> dict:
+def _compare(model, rows, tokens: int, dynamic: bool, fixed: bool = False, compiled: bool = False) -> dict:
+    """`fixed`: fixed-capacity caches, all of one capacity (so that a compiled step's graphs serve every run);
+    `compiled`: their whole decode step compiled."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), 2, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    options = {}
+    if compiled:
+        config = CompileConfig(fullgraph=True, dynamic=False)
+        config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+        options = {"compile_config": config}
 
-    def cache(width: int):
-        if fixed:
+    def cache():
+        if fixed or compiled:
             return torchkv.new_cache(model, max_cache_len=width + tokens)
         return DynamicCache(config=model.config) if dynamic else None
 
     start = time.perf_counter()
-    batch_tokens, batch_logprobs = _greedy(model, ids, mask, tokens, cache(width))
+    batch_tokens, batch_logprobs = _greedy(model, ids, mask, tokens, cache(), **options)
     seconds = time.perf_counter() - start
     out = []
     for i, r in enumerate(rows):
         alone_tokens, alone_logprobs = _greedy(model, r[None], torch.ones(1, len(r), dtype=torch.long), tokens,
-                                                 cache(len(r)))
+                                                 cache(), **options)
         differ = (batch_tokens[i] != alone_tokens[0]).nonzero()
         matching = int(differ[0, 0]) if differ.numel() else tokens
         steps = min(matching + 1, tokens)  # log-probs compared up to the first differing token
@@ -78,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--presets", default="kivi-2bit,squat-2bit,subkv-2bit,frontier-2bit,svdq-2bit,xquant-2bit")
     parser.add_argument("--fixed", default="kivi-2bit,frontier-2bit",
-                        help="presets also measured on fixed-capacity caches (max_cache_len), which hold no row groups")
+                        help="presets also measured on fixed-capacity caches (max_cache_len)")
+    parser.add_argument("--compiled", default="kivi-2bit",
+                        help="presets also measured with the whole step over fixed-capacity caches compiled")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--out", default="benchmarks/results/batch_invariance.json")
     args = parser.parse_args(argv)
@@ -96,6 +106,9 @@ def main(argv: list[str] | None = None) -> None:
                 results.append({"row": f"{name} (one store)", **_compare(model, rows, args.new_tokens, False)})
             if name in args.fixed.split(","):
                 results.append({"row": f"{name} (fixed capacity)", **_compare(model, rows, args.new_tokens, False, True)})
+            if name in args.compiled.split(","):
+                results.append({"row": f"{name} (whole step compiled)",
+                                **_compare(model, rows, args.new_tokens, False, compiled=True)})
     print(f"| row | {' | '.join(f'{n} tokens: matching, max abs dlogprob' for n in lengths)} | batch generate s |")
     print("|---" * (len(lengths) + 2) + "|")
     for r in results:

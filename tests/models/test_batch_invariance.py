@@ -14,12 +14,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from transformers import CompileConfig
 
 import torchkv
 from torchkv.corpora import documents
 from torchkv.eval.rows import Method
 from torchkv.eval.through_cache import Request, score
+from torchkv.models import cache_argument
 from torchkv.pipeline import KVPipeline
+from torchkv.testing import tiny_model
 
 pytestmark = pytest.mark.model
 
@@ -42,9 +45,9 @@ def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _greedy(model, ids, mask, new_tokens: int):
+def _greedy(model, ids, mask, new_tokens: int, **options):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=2, return_dict_in_generate=True, output_scores=True)
+                         do_sample=False, pad_token_id=2, return_dict_in_generate=True, output_scores=True, **options)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1).float().log_softmax(-1), out.past_key_values
 
 
@@ -53,13 +56,22 @@ def _differences(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(a == b, 0.0, (a - b).abs())
 
 
-def _check_rows_as_alone(model, pipeline: KVPipeline, rows: list[torch.Tensor], new_tokens: int) -> None:
+def _check_rows_as_alone(model, pipeline: KVPipeline, rows: list[torch.Tensor], new_tokens: int,
+                         capacity: int | None = None, **options) -> None:
+    """With a `capacity`, every generation decodes on fixed-capacity buffers of that many tokens (one set per row
+    group); `options` go to `generate` (a `compile_config` compiles the whole step over those buffers)."""
+
+    def greedy(ids, mask):
+        cache = {} if capacity is None else cache_argument(model, torchkv.new_cache(model, max_cache_len=capacity))
+        return _greedy(model, ids, mask, new_tokens, **cache, **options)
+
     with torchkv.patched(model, pipeline):
-        tokens, logprobs, cache = _greedy(model, *_left_padded(rows), new_tokens)
+        tokens, logprobs, cache = greedy(*_left_padded(rows))
         assert all(layer.row_groups is not None for layer in cache.layers)  # the batch really was split
+        if capacity is not None:
+            assert all(layer.frozen_stores() for layer in cache.layers)  # and decoded on fixed-capacity buffers
         for i, row in enumerate(rows):
-            alone_tokens, alone_logprobs, _ = _greedy(model, row[None], torch.ones(1, len(row), dtype=torch.long),
-                                                      new_tokens)
+            alone_tokens, alone_logprobs, _ = greedy(row[None], torch.ones(1, len(row), dtype=torch.long))
             assert torch.equal(tokens[i], alone_tokens[0]), f"{pipeline.name}: row {i} of {len(row)} tokens"
             worst = float(_differences(logprobs[i], alone_logprobs[0]).max())
             assert worst <= TOLERANCE, f"{pipeline.name}: row {i} of {len(row)} tokens moved by {worst:.2e} nats"
@@ -100,6 +112,26 @@ def test_a_padded_row_generates_as_it_would_alone_compiled(smollm2_float64):
     """The same through the compiled decode attention (each row group compiles for its own batch size)."""
     model, tokenizer = smollm2_float64
     _check_rows_as_alone(model, KVPipeline.from_preset("kivi-2bit", compile=True), _rows(tokenizer, [230, 171]), 8)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2bit", "frontier-2bit"])
+def test_a_padded_row_generates_as_it_would_alone_at_fixed_capacity(smollm2_float64, preset):
+    """Each row group decodes on fixed-capacity buffers of its own."""
+    model, tokenizer = smollm2_float64
+    _check_rows_as_alone(model, KVPipeline.from_preset(preset, compile=False), _rows(tokenizer, [230, 171]), 16,
+                         capacity=256)
+
+
+def test_a_padded_row_generates_as_it_would_alone_with_the_whole_step_compiled():
+    """The whole decode step (model and every row group's buffers) traced into one graph by `generate`'s compile
+    config (AOT autograd's eager backend, which keeps the suite short; Inductor gave the same result by hand)."""
+    model = tiny_model("llama").double()
+    ids = torch.randint(3, 128, (2, 90), generator=torch.Generator().manual_seed(0))
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    pipeline = KVPipeline.from_preset("kivi-2bit", residual=8, group=8, sinks=2)
+    _check_rows_as_alone(model, pipeline, [ids[0, :90], ids[1, :61]], 24, capacity=128, compile_config=config)
+    assert hasattr(model, "_compiled_call")  # generate took the compiled path
 
 
 def test_batched_scoring_equals_scoring_alone_at_2_bits(smollm2_float64):

@@ -48,8 +48,9 @@ def test_static_buffers_generate_like_the_model(arch):
         else:
             out = _generate(model, ids, mask, cache_implementation="static")
     cache = out.past_key_values
-    assert cache.is_compileable and all(isinstance(layer.held, StaticKVStore) for layer in cache.layers)
-    assert int(cache.layers[0].static.buffers["n_chunks"]) * 8 > 80  # chunks were encoded during decode
+    # each row group (the rows' pads differ) on fixed-capacity buffers of its own
+    assert cache.is_compileable and all(len(layer.frozen_stores()) == 2 for layer in cache.layers)
+    assert int(cache.layers[0].frozen_stores()[1].buffers["n_chunks"]) * 8 > 80  # chunks encoded during decode
     assert torch.equal(out.sequences, expected)
 
 
@@ -140,6 +141,45 @@ def test_compiled_step_flushes_from_the_host_only_when_the_window_fills(monkeypa
     with torchkv.patched(model, pipe):
         got = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 80, forward=mixed)
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+
+
+def _decode_padded(model, ids, mask, steps, forward, capacity):
+    """`_decode` for a left-padded batch (positions counted from each row's first real token); returns the logits
+    of every step and the cache."""
+    cache = torchkv.new_cache(model, max_cache_len=capacity)
+    passed = cache_argument(model, cache)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **passed,
+                   use_cache=True).logits
+    out = []
+    for _ in range(steps):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        logits = forward(input_ids=logits[:, -1:].argmax(-1), attention_mask=mask,
+                         position_ids=mask.sum(-1, keepdim=True) - 1, **passed, use_cache=True).logits
+        out.append(logits[:, -1])
+    return torch.stack(out), cache
+
+
+@torch.no_grad()
+def test_the_host_flushes_each_row_group_as_its_step_would(monkeypatch):
+    """`compile_decode_step` over a padded batch: each row group's buffers are counted and flushed by the host (the
+    graph itself is run eagerly here), and the logits equal steps that flush inside themselves."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    encodes, host_counts = [], []
+    encode, count = StaticKVStore._encode_window, StaticKVStore.flush_if_full
+    monkeypatch.setattr(StaticKVStore, "_encode_window", lambda self, *a: encodes.append(self) or encode(self, *a))
+    monkeypatch.setattr(StaticKVStore, "flush_if_full", lambda self: host_counts.append(self) or count(self))
+    model = tiny_model("llama")
+    ids, mask = _prompt(batch=2, length=60, pad=13)
+    pipe = torchkv.KVPipeline.from_preset("kivi-2bit", residual=8, group=8, sinks=2, compile=False)
+    with torchkv.patched(model, pipe):
+        in_step, cache = _decode_padded(model, ids, mask, 30, model, 100)
+        in_step_encodes, encodes[:] = list(encodes), []
+        by_host, host_cache = _decode_padded(model, ids, mask, 30, torchkv.compile_decode_step(model), 100)
+    groups = cache.layers[0].frozen_stores()
+    assert len(groups) == 2 and all(group in in_step_encodes for group in groups)
+    assert all(host_counts.count(group) == 30 for group in host_cache.layers[0].frozen_stores())
+    assert len(encodes) == len(in_step_encodes) > 0
+    torch.testing.assert_close(by_host, in_step, atol=0, rtol=0)
 
 
 def test_generate_compiles_the_step_with_a_compile_config():

@@ -283,11 +283,8 @@ def torchkv_attention(
         out = _attend(query, key, value, attention_mask, scaling, softcap)
         return out.transpose(1, 2).contiguous(), None
     layer = key
-    if layer.frozen and query.shape[2] == 1:  # fixed-shape buffers: one graph for every step
-        k_new, v_new, _ = layer.take_staged()
-        out = layer.static.decode_step(
-            query, k_new, v_new, attention_mask.padding, attention_mask.extra_rule, scaling, softcap)
-        return out.transpose(1, 2).contiguous(), None
+    if query.shape[2] == 1 and layer.frozen_stores():  # fixed-shape buffers: one graph for every step
+        return _decode_frozen(layer, query, attention_mask, scaling, softcap).transpose(1, 2).contiguous(), None
     if not torch.compiler.is_compiling():
         attention_mask.check_storable(query.shape[2], fresh=not layer.get_seq_length() - layer.pending[0].shape[2])
     layer.thaw()
@@ -303,6 +300,23 @@ def torchkv_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _decode_frozen(layer, query, attention_mask: MaskSpec, scaling: float, softcap: float | None) -> torch.Tensor:
+    """One decode step on fixed-capacity buffers: the layer's own, or each row group's over its rows, with token
+    indices counted after the group's `strip` (no Python count is read, so one graph serves every step):
+    `[B, Hq, 1, D]`."""
+    k_new, v_new, _ = layer.take_staged()
+    padding, rule = attention_mask.padding, attention_mask.extra_rule
+    if layer.row_groups is None:
+        return layer.static.decode_step(query, k_new, v_new, padding, rule, scaling, softcap)
+    out = torch.zeros_like(query)
+    for group in layer.row_groups:
+        rows = group.rows.to(query.device)
+        held = None if padding is None else padding[rows.to(padding.device), group.strip:]
+        out[rows] = group.layer.static.decode_step(query[rows], k_new[rows], v_new[rows], held, rule, scaling,
+                                                   softcap)
+    return out
+
+
 def _attend_by_row_group(layer, query, attention_mask: MaskSpec, scaling: float, softcap: float | None,
                          position_ids):
     """`_attend_and_commit` for each row group of a split layer over its own rows and tokens (the positions before
@@ -314,6 +328,7 @@ def _attend_by_row_group(layer, query, attention_mask: MaskSpec, scaling: float,
         rows, cut = group.rows.to(query.device), max(0, group.strip - start)
         if cut >= query.shape[2]:
             continue
+        group.layer.thaw()
         group.layer.update(k_new[rows, :, cut:], v_new[rows, :, cut:])
         if "x" in staged:
             group.layer.layer_input = staged["x"][rows, cut:]
@@ -322,6 +337,7 @@ def _attend_by_row_group(layer, query, attention_mask: MaskSpec, scaling: float,
             positions = position_ids[rows if position_ids.shape[0] > 1 else slice(None), cut:]
         spec = attention_mask.for_rows(rows, group.strip, cut)
         out[rows, :, cut:] = _attend_and_commit(group.layer, query[rows, :, cut:], spec, scaling, softcap, positions)
+        group.layer.freeze()
     layer.grouped_length = start + query.shape[2]
     return out
 

@@ -77,9 +77,9 @@ class TorchKVLayer(CacheLayerMixin):
         rows' first real token: rows whose pads differ by whole chunks share a group (rows with equal pads, for
         pipelines with sinks; each row alone where a window policy averages attention over a group's rows), which
         drops the pads its rows share. Each row is then encoded as it would be alone (statistics ignore the pads that
-        remain). Only before the first token, on growing stores; nothing changes where it would not help (one group,
-        no pad to drop)."""
-        if self.static is not None or self.store.length:
+        remain). With fixed capacity each group gets buffers of its own, sized for the tokens it holds. Only before the
+        first token; nothing changes where it would not help (one group, no pad to drop)."""
+        if self.store.length:
             return
         pipe, shared = self.store.pipeline, self.store.cross_layer
         alone = pipe.window is not None and pipe.window.reads_attention  # one decision per group (SubKV)
@@ -94,14 +94,22 @@ class TorchKVLayer(CacheLayerMixin):
             cross = None
             if shared is not None:
                 cross = self.group_cross_layers.setdefault(tuple(rows), CrossLayer(shared.num_layers))
-            layer = TorchKVLayer(pipeline, layer_idx, rope, is_sliding, simulated, kernel, cross)
+            strip = min(pads[r] for r in rows)
+            capacity, after = (None, 0) if self.static is None else (self.static.capacity - strip,
+                                                                     self.static.layers_after)
+            layer = TorchKVLayer(pipeline, layer_idx, rope, is_sliding, simulated, kernel, cross, capacity, after)
             layer.is_initialized, layer.dtype, layer.device = True, self.dtype, self.device
-            index = torch.tensor(rows, device=self.device)
-            self.row_groups.append(RowGroup(index, min(pads[r] for r in rows), layer))
+            self.row_groups.append(RowGroup(torch.tensor(rows, device=self.device), strip, layer))
 
     def stores(self) -> list["KVStore | StaticKVStore"]:
         """The stores that hold the tokens: the layer's own, or each row group's."""
         return [self.held] if self.row_groups is None else [g.layer.held for g in self.row_groups]
+
+    def frozen_stores(self) -> list[StaticKVStore] | None:
+        """The fixed-capacity stores that hold every token (the layer's own, or one per row group), or None while
+        some tokens are in a growing store."""
+        layers = [self] if self.row_groups is None else [g.layer for g in self.row_groups]
+        return [layer.static for layer in layers] if all(layer.frozen for layer in layers) else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -158,6 +166,9 @@ class TorchKVLayer(CacheLayerMixin):
         do not specialise on it."""
         staged = 0 if self.pending is None else self.pending[0].shape[2]
         if self.row_groups is not None:
+            group = self.row_groups[0]
+            if group.layer.frozen:  # a 0-d tensor, as for the layer's own buffers
+                return group.layer.static.buffers["length"] + group.strip + staged
             return self.grouped_length + staged
         if self.frozen:
             return self.static.buffers["length"] + staged
@@ -211,7 +222,7 @@ class TorchKVLayer(CacheLayerMixin):
             )
         for group in self.row_groups or []:
             group.layer.crop(tokens_to_remove)
-        self.grouped_length = max(0, self.grouped_length + tokens_to_remove)
+        self.grouped_length = max(0, int(self.get_seq_length()) + tokens_to_remove)
         self._edit(lambda store: store.crop(-tokens_to_remove))
 
     def batch_repeat_interleave(self, repeats: int) -> None:

@@ -35,7 +35,7 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
         tokens = next((x.shape[1] for x in (kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if x is not None), 0)
         frozen = []
         if isinstance(cache, TorchKVCache) and tokens == 1:
-            frozen = [layer.static for layer in cache.layers if layer.frozen]
+            frozen = [store for layer in cache.layers for store in layer.frozen_stores() or []]
         for store in frozen:  # only while this callable steps: another caller's steps flush inside the graph
             store.host_flush = True
         try:
