@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(PY) -m torchkv eval --quick --baselines --presets kivi-4bit,kivi-2bit,frontier-2bit --out benchmarks/results/quick/quick.json
+	$(PY) -m torchkv eval --quick --presets kivi-4bit,kivi-2bit,frontier-2bit,quanto-4bit --out benchmarks/results/quick/quick.json
 
 test: setup
 	$(PY) -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
