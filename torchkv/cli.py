@@ -246,7 +246,7 @@ def _add_eval_command(sub) -> None:
     ev.add_argument("--baselines", action="store_true", help="add transformers' QuantizedCache (quanto 4/2-bit)")
     ev.add_argument("--simulated", action="store_true", help="also perplexity with every token quantized")
     ev.add_argument("--quick", action="store_true",
-                    help="small samples, every domain, speed at 2K and 8K (`make run`: a few minutes)")
+                    help="small samples, every domain, speed at 1K and 8K (`make run`: a few minutes)")
     ev.add_argument("--ppl-docs", help="context:documents pairs, e.g. 2048:2,8192:1, or none")
     ev.add_argument("--ppl-prompt", type=float, help="fraction of each ppl document fed first as one prompt "
                     "(compressed at prefill; only later tokens scored), e.g. 0.5")

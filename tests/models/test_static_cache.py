@@ -194,6 +194,25 @@ def test_generate_compiles_the_step_with_a_compile_config():
     assert torch.equal(compiled, eager)
 
 
+def test_generate_compiles_the_step_with_the_whole_step_options(monkeypatch):
+    """A patched model's `get_compiled_call` (what `generate` compiles with) adds `emulate_precision_casts`, so that
+    compiled steps round through the stored dtypes as eager ones do (by hand, tiny Llama in float32: compiled and
+    eager log-probabilities 2.8e-3 apart without it, 1e-6 with it); a mode becomes its options, and other backends
+    and unpatched models are left alone."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
+    model = tiny_model("llama")
+    with torchkv.patched(model, "kivi-2bit"):
+        model.get_compiled_call(CompileConfig(fullgraph=True))
+        model.get_compiled_call(CompileConfig(fullgraph=True))  # the same config: compiled once
+        model.get_compiled_call(CompileConfig(fullgraph=True, backend="eager"))
+    model.get_compiled_call(CompileConfig(fullgraph=True, options={"max_autotune": True}))
+    assert compiled[0]["mode"] is None and compiled[0]["options"] == {
+        "triton.cudagraphs": True, "emulate_precision_casts": True}  # mode="reduce-overhead", the default
+    assert len(compiled) == 3 and compiled[1]["options"] is None and compiled[1]["mode"] == "reduce-overhead"
+    assert compiled[2]["options"] == {"max_autotune": True}
+
+
 def test_static_storage_is_compressed():
     """Fixed capacity is allocated up front, and compressed: kivi-2bit's buffers for 4,096 tokens take under a
     third of transformers' StaticCache for the same tokens (fp32)."""

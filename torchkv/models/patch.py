@@ -3,7 +3,8 @@
 `patch` selects the 'torchkv' attention implementation and adds one forward pre-hook on the model
 that hands it a `TorchKVCache` whenever it would otherwise build a fresh `DynamicCache`
 (`forward(use_cache=True)` and `generate`), and one on each attention module that stages its input X
-for the cache (XQuant caches a function of it). `unpatch` removes them.
+for the cache (XQuant caches a function of it); `generate`'s compiled decode steps get the whole-step
+Inductor options (`with_whole_step_options`). `unpatch` removes them.
 """
 
 import contextlib
@@ -25,6 +26,7 @@ from torchkv.models.attention import ATTENTION_NAME, register
 from torchkv.ops.attention import PREFILL_KERNELS
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.parallel import check_tensor_parallel
+from torchkv.models.step import with_whole_step_options
 from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
 
 
@@ -209,6 +211,9 @@ def patch(
     hooks = [model.register_forward_pre_hook(
         lambda module, args, kwargs: _use_torchkv_cache(model, keyword, args, kwargs), with_kwargs=True
     )] + [m.register_forward_pre_hook(_stage_layer_input, with_kwargs=True) for m in attention]
+    compiled_call = type(model).get_compiled_call
+    model.get_compiled_call = lambda config: compiled_call(
+        model, with_whole_step_options(config or model._default_compile_config()))
     _PATCHES[model] = _Patch(pipe, previous, hooks, prefill_kernel)
     return model
 
@@ -220,6 +225,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     state = _PATCHES.pop(model)
     for hook in state.hooks:
         hook.remove()
+    del model.get_compiled_call
     model.set_attn_implementation(state.previous_attention)
     return model
 

@@ -1,8 +1,11 @@
 """A decode step compiled whole over a fixed-capacity torchkv cache, with window flushes called from the host."""
 
+import copy
 from collections.abc import Callable
 
 import torch
+from torch._inductor import list_mode_options
+from transformers import CompileConfig
 
 from torchkv._compat import own_cache
 from torchkv.models.cache import TorchKVCache
@@ -48,3 +51,18 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
         return out
 
     return step
+
+
+def with_whole_step_options(config: CompileConfig) -> CompileConfig:
+    """`generate`'s compile config with `WHOLE_STEP_OPTIONS` added where Inductor compiles (what a patched model's
+    `get_compiled_call` compiles with). Without them Inductor may keep a scale in float32 where eager code rounds it
+    to its stored dtype, and graphs of different batch shapes round differently from each other. A `mode` becomes
+    its options, since torch takes one or the other."""
+    options = config.options or {}
+    if config.backend != "inductor" or all(options.get(k) == v for k, v in WHOLE_STEP_OPTIONS.items()):
+        return config
+    config = copy.copy(config)
+    config.options = {**({} if config.mode is None else list_mode_options(config.mode)), **options,
+                      **WHOLE_STEP_OPTIONS}
+    config.mode = None
+    return config
