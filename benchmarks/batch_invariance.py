@@ -54,8 +54,7 @@ def _compare(model, rows, tokens: int, dynamic: bool, fixed: bool = False, compi
         ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
     options = {}
     if compiled:
-        # the whole-step options (`compile_decode_step`'s): without them Inductor may keep a scale in float32 where
-        # eager rounds it to its stored dtype, and graphs of other batch shapes round differently from each other
+        # the whole-step options (`compile_decode_step`'s; a patched model adds them to any compile config)
         config = CompileConfig(fullgraph=True, dynamic=False, mode=None, options=WHOLE_STEP_OPTIONS)
         config._compile_all_devices = True  # transformers compiles on GPUs only unless told
         options = {"compile_config": config}

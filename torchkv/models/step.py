@@ -56,8 +56,7 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
 def with_whole_step_options(config: CompileConfig) -> CompileConfig:
     """`generate`'s compile config with `WHOLE_STEP_OPTIONS` added where Inductor compiles (what a patched model's
     `get_compiled_call` compiles with). Without them Inductor may keep a scale in float32 where eager code rounds it
-    to its stored dtype, and graphs of different batch shapes round differently from each other. A `mode` becomes
-    its options, since torch takes one or the other."""
+    to its stored dtype. A `mode` becomes its options, since torch takes one or the other."""
     options = config.options or {}
     if config.backend != "inductor" or all(options.get(k) == v for k, v in WHOLE_STEP_OPTIONS.items()):
         return config
