@@ -114,6 +114,20 @@ def test_inductor_whole_step_equals_eager(preset):  # kivi-4bit's graph is the o
 
 
 @torch.no_grad()
+def test_inductor_shifts_a_window_longer_than_two_chunks_as_eager_does():
+    """A window of 160 tokens whose flush shifts 128 of them by one chunk of 32 (kivi-2bit's defaults): the kept and
+    the overwritten slots overlap, which Inductor's in-place shift once got wrong at SmolLM2's head sizes (logits
+    0.35 off eager after the first flush)."""
+    model = tiny_model("llama", heads=9, kv_heads=3, layers=1, hidden_size=576, intermediate_size=256, head_dim=64)
+    ids, _ = _prompt(batch=1, pad=0, length=70)
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+    with torchkv.patched(model, "kivi-2bit"):
+        eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 100)
+        compiled = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 100, forward=step)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_compiled_step_flushes_from_the_host_only_when_the_window_fills(monkeypatch):
     """`compile_decode_step`: the step graph encodes nothing; the host encodes each layer's oldest chunk on exactly
     the steps that fill its window (sinks first), and the logits equal eager steps across those flushes."""
