@@ -235,8 +235,8 @@ def test_grid_many_splits_combine():
 @torch.no_grad()
 @pytest.mark.parametrize("preset, capacity", [("kivi-2bit", None), ("kivi-2bit", 200), ("frontier-2bit", None)])
 def test_a_model_decodes_through_the_kernel(preset, capacity, monkeypatch):
-    """A padded batch on a tiny model with sinks: the kernel path (growing store, one launch per row group, or
-    fixed-capacity buffers) gives the logits of the Inductor path across window flushes; frontier's first layer
+    """A padded batch on a tiny model with sinks: the kernel path (growing store or fixed-capacity buffers, one
+    launch per row group) gives the logits of the Inductor path across window flushes; frontier's first layer
     at 4 bits (2-D grid) and its second at 2 (4-D grid), each through its own kernel launch."""
     model = tiny_model("llama").to(DEVICE)
     ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -254,7 +254,7 @@ def test_a_model_decodes_through_the_kernel(preset, capacity, monkeypatch):
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True,
                                  **cache_argument(model, cache))
         logits[kernel] = torch.stack(out.logits)
-        groups = 2 if capacity is None else 1  # the growing store holds the two rows in row groups of their own
+        groups = 2  # the two rows (pads 9 and 0, with sinks) are held in row groups of their own
         assert launches.count == (39 * model.config.num_hidden_layers * groups if kernel else 0)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
