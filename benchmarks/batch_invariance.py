@@ -5,9 +5,12 @@ prompt then generates alone. Per row: how many leading tokens match and the larg
 step. Rows: `DynamicCache` (the model's own batch noise), each preset with its row groups (a padded row held as it
 would be alone), measured in the same run: the same preset held as one store over the padded batch (what torchkv
 did before row groups), on fixed-capacity caches (`max_cache_len`, one set of buffers per row group), and with the
-whole step over them compiled by Inductor (`generate`'s compile config).
+whole step over them compiled by Inductor (`generate`'s compile config). With `--batch-invariant`, every row runs
+with the model's linear layers in fixed blocks of rows (`torchkv.patch(..., batch_invariant=True)`; the `dynamic`
+row's too), which removes the model's own batch noise.
 
     python benchmarks/batch_invariance.py --out benchmarks/results/batch_invariance.json
+    python benchmarks/batch_invariance.py --batch-invariant --out benchmarks/results/batch_invariance_blocked.json
 """
 
 import argparse
@@ -21,6 +24,7 @@ import torchkv
 from torchkv.corpora import documents
 from torchkv.eval.runner import write_benchmark
 from torchkv.models import cache_argument
+from torchkv.models.batch_invariant import make_linears_batch_invariant, restore_linears
 from torchkv.models.step import WHOLE_STEP_OPTIONS
 from torchkv.models.cache import TorchKVLayer
 from torchkv.pipeline import KVPipeline
@@ -93,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compiled", default="kivi-2bit",
                         help="presets also measured with the whole step over fixed-capacity caches compiled")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--batch-invariant", action="store_true", help="linear layers in fixed blocks of rows")
     parser.add_argument("--out", default="benchmarks/results/batch_invariance.json")
     args = parser.parse_args(argv)
     model, tokenizer = torchkv.load_model()
@@ -100,11 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     ids = documents(tokenizer, max(lengths), len(lengths))
     rows = [ids[i, :n] for i, n in enumerate(lengths)]
+    invariant = args.batch_invariant
+    linears = make_linears_batch_invariant(model) if invariant else []
     results = [{"row": "dynamic", **_compare(model, rows, args.new_tokens, dynamic=True)}]
+    restore_linears(linears)
     grouped, fixed, compiled = ({n for n in names.split(",") if n} for names in (args.presets, args.fixed, args.compiled))
     for name in dict.fromkeys(n for names in (args.presets, args.fixed, args.compiled) for n in names.split(",") if n):
         pipe = KVPipeline.from_preset(name, compile=False)
-        with torchkv.patched(model, pipe):
+        with torchkv.patched(model, pipe, batch_invariant=invariant):
             if name in grouped:
                 results.append({"row": name, **_compare(model, rows, args.new_tokens, dynamic=False)})
                 with _one_store():
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = [f"{c['matching_tokens']}/{args.new_tokens}, {c['max_abs_dlogprob']:.1e}" for c in r["rows"]]
         print(f"| {r['row']} | {' | '.join(cells)} | {r['batch_generate_s']:.1f} |")
     write_benchmark(args.out, "batch-invariance", results, lengths=lengths, new_tokens=args.new_tokens,
-                    dtype=args.dtype)
+                    dtype=args.dtype, batch_invariant=invariant)
 
 
 if __name__ == "__main__":

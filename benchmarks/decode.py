@@ -12,6 +12,7 @@ measured copy bandwidth.
     python benchmarks/decode.py --append --batches 8 --contexts 8192 --presets kivi-2bit --out ...  # more cells
     python benchmarks/decode.py --cells 4096x1,8192x8 --dtypes float32 --out ...  # only these cells
     python benchmarks/decode.py --cells 4096x1 --baselines dynamic --presets X --append --out ...  # a fresh process per row
+    python benchmarks/decode.py --batch-invariant ...  # each row also with batch-invariant linear layers
     python benchmarks/decode.py --device cuda --dtypes bfloat16 --out benchmarks/results/decode/decode_h100_bf16.json
     torchkv report benchmarks/results/decode/decode_cpu.json
 
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/decode/decode_cpu.json")
     parser.add_argument("--append", action="store_true", help="add this run's rows to the JSON at --out")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="each row also measured with the model's linear layers in fixed blocks of rows "
+                             "(rows 'NAME (batch-invariant)', `torchkv.patch(..., batch_invariant=True)`)")
     parser.add_argument("--baselines", default=",".join(["dynamic", STATIC_BASELINE, *list(BASELINES)[1:]]), help="baseline rows, the first the reference "
                         "of the ratios (a row per process: --baselines dynamic --presets X --append)")
     args = parser.parse_args(argv)
@@ -161,11 +165,14 @@ def main(argv: list[str] | None = None) -> None:
         for context, batch in cells:
             cell = []
             for name in names:
-                profile = generation_profile(
-                    model, tokenizer, method(name), context, args.new_tokens, batch, args.prefill_runs)
-                profile.update(name=name, dtype=dtype)
-                cell.append(profile)
-                print(json.dumps(profile), flush=True)
+                for invariant in (False, True) if args.batch_invariant else (False,):
+                    row = method(name)
+                    row.batch_invariant = invariant
+                    profile = generation_profile(
+                        model, tokenizer, row, context, args.new_tokens, batch, args.prefill_runs)
+                    profile.update(name=f"{name} (batch-invariant)" if invariant else name, dtype=dtype)
+                    cell.append(profile)
+                    print(json.dumps(profile), flush=True)
             reference = cell[0]
             for profile in cell:
                 profile["decode_ratio"] = profile["decode_tokens_per_s"] / reference["decode_tokens_per_s"]

@@ -137,6 +137,9 @@ def test_lm_eval_model_bad_input(lm_eval_model):
             lm_eval_model(preset=row)
     with pytest.raises(TypeError, match="presett"):  # a misspelt model argument is not silently ignored
         lm_eval_model(presett="kivi-2bit")
+    with pytest.raises(ValueError, match="give true or false"):
+        lm_eval_model(preset="dynamic", batch_invariant="yes")
+    assert lm_eval_model(preset="kivi-2bit", batch_invariant="True").row.batch_invariant
     with pytest.raises(ValueError, match="context_split"):
         lm_eval_model(preset="dynamic", context_split="Question:").loglikelihood(
             [_instance("loglikelihood", ("no marker here", " x"))], disable_tqdm=True)

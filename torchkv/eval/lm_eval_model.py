@@ -9,7 +9,9 @@ the optional extra: `pip install torchkv[lm-eval]`.
 Model arguments: `pretrained` (a name `torchkv.load_model` knows, or a local model folder; default SmolLM2),
 `preset` (a preset with overrides after colons, a saved pipeline folder, or `dynamic` for transformers'
 full-precision cache), `context_split` (a marker: the context is cached up to its last occurrence, and the rest,
-e.g. the question, is asked after the cache is filled), `max_gen_toks`.
+e.g. the question, is asked after the cache is filled), `max_gen_toks`, `batch_invariant` (true: the model's linear
+layers in fixed blocks of rows, so that a batch's scores equal its requests' scores alone bit for bit in float32,
+with prompts about 2.5x slower on CPU; see `torchkv.models.batch_invariant`).
 """
 
 import warnings
@@ -28,16 +30,20 @@ from torchkv.models.loader import load_model
 class TorchKVLM(TemplateLM):
     def __init__(self, pretrained: str = "smollm2-135m", preset: str = "kivi-2bit", context_split: str | None = None,
                  batch_size: int | str = 1, max_gen_toks: int = 256, device: str | None = None,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, batch_invariant: bool = False):
         super().__init__()
         if str(batch_size).startswith("auto"):  # (the harness passes max_batch_size for "auto" alone)
             raise ValueError("batch_size=auto is not supported: give a number (1 scores each request alone)")
+        flag = str(batch_invariant).lower()  # the harness passes model arguments as strings
+        if flag not in ("true", "false", "1", "0"):
+            raise ValueError(f"batch_invariant={batch_invariant!r}: give true or false")
         self.model, self.tokenizer = load_model(pretrained)
         if device and device.startswith("cuda") and not torch.cuda.is_available():
             warnings.warn(f"device={device!r} but no CUDA device is present: running on the CPU")
         elif device:
             self.model.to(device)
         self.row = method(str(preset))
+        self.row.batch_invariant = flag in ("true", "1")
         if self.row.kind not in ("torchkv", "dynamic") or self.row.tuning is not None or self.row.compiled:
             raise ValueError(f"preset={preset!r} is not a pipeline the lm-eval model can use: give a torchkv preset, "
                              "a saved pipeline folder (`torchkv tune ... --out DIR` for a tuned one), or 'dynamic' "

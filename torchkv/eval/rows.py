@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 
 from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.models import patched
+from torchkv.models.batch_invariant import make_linears_batch_invariant, restore_linears
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache, resolve_pipeline
 from torchkv.models.step import compile_decode_step
@@ -40,6 +41,8 @@ class Method:
     tune_report: dict | None = None
     #: decode steps run as one compiled graph over a fixed-capacity cache (`COMPILED`, `STATIC_BASELINE`)
     compiled: bool = False
+    #: the model's linear layers computed in fixed blocks of rows while the row is active (`models.batch_invariant`)
+    batch_invariant: bool = False
     #: (model, its compiled decode step): every run of the row on that model reuses the step's graphs
     _step: tuple | None = field(default=None, repr=False, compare=False)
 
@@ -84,11 +87,15 @@ class Method:
     @contextlib.contextmanager
     def active(self, model) -> Iterator[None]:
         """The model set up for this row (patched for torchkv rows)."""
-        if self.pipeline is None:
-            yield
-        else:
-            with patched(model, self.pipeline):
+        if self.pipeline is not None:
+            with patched(model, self.pipeline, batch_invariant=self.batch_invariant):
                 yield
+            return
+        linears = make_linears_batch_invariant(model) if self.batch_invariant else []
+        try:
+            yield
+        finally:
+            restore_linears(linears)
 
     def filled_cache(self, model, layers: list[tuple[torch.Tensor, ...]]) -> Cache:
         """A fresh cache holding a prompt captured by `models.capture.capture_qkv`: every layer stores its

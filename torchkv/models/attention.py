@@ -92,6 +92,17 @@ class MaskSpec:
         is_left = torch.equal(self.padding, rows >= starts[:, None])
         return starts.tolist() if is_left else None
 
+    def trailing_padding(self, kv_len: int) -> list[int] | None:
+        """Pad count after each row's last real token among the first `kv_len` positions (right-padded queries, as
+        the lm-eval scorer's continuations), or None when no row has any."""
+        if self.padding is None or torch.compiler.is_compiling():
+            return None
+        key = ("trailing", kv_len)
+        if key not in self._dense:  # every layer asks the same
+            after = self.padding[:, :kv_len].flip(-1).int().cummax(-1).values == 0
+            self._dense[key] = after.sum(-1).tolist() if bool(after.any()) else None
+        return self._dense[key]
+
     def check_storable(self, q_len: int, fresh: bool) -> None:
         """Refuse padding a torchkv cache cannot hold as each row would be held alone: a row that is all padding,
         padding between real tokens, or (on a `fresh` cache) padding after a row's tokens. Checked once per spec."""
@@ -185,7 +196,8 @@ def _flex(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | 
 
 def _sdpa(query, keys, values, spec: MaskSpec, scaling: float):
     """Prompt attention with SDPA: `is_causal` for a fresh causal prompt (row by row when left-padded),
-    else the mask made dense. Rows with nothing to attend to (padding) come out as zeros."""
+    else the mask made dense (row by row up to each row's last real token when rows end in padding). Rows with
+    nothing to attend to (padding) come out as zeros."""
     q_len, kv_len = query.shape[2], keys.shape[2]
     gqa = query.shape[1] != keys.shape[1]
     fresh_causal = spec.rule is causal_mask_function and q_len == kv_len
@@ -205,8 +217,19 @@ def _sdpa(query, keys, values, spec: MaskSpec, scaling: float):
     if gqa and query.is_cuda:
         keys, values = grouped_as_query_heads(keys, query.shape[1]), grouped_as_query_heads(values, query.shape[1])
         gqa = False
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    return out.nan_to_num(0.0)
+    trailing = spec.trailing_padding(kv_len)
+    if trailing is None:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        return out.nan_to_num(0.0)
+    out = torch.zeros_like(query)  # each row over its tokens up to its last real one (as alone, bit for bit)
+    for b, pads in enumerate(trailing):
+        q, n = q_len - pads, kv_len - pads
+        if q > 0:
+            out[b : b + 1, :, :q] = F.scaled_dot_product_attention(
+                query[b : b + 1, :, :q], keys[b : b + 1, :, :n], values[b : b + 1, :, :n],
+                attn_mask=mask[b : b + 1, :, :q, :n], scale=scaling, enable_gqa=gqa,
+            ).nan_to_num(0.0)
+    return out
 
 
 def grouped_as_query_heads(x: torch.Tensor, query_heads: int) -> torch.Tensor:
