@@ -49,8 +49,7 @@ def _one_store():
 
 
 def _compare(model, rows, tokens: int, dynamic: bool, fixed: bool = False, compiled: bool = False) -> dict:
-    """`fixed`: fixed-capacity caches, all of one capacity (so that a compiled step's graphs serve every run);
-    `compiled`: their whole decode step compiled."""
+    """`fixed`: fixed-capacity caches; `compiled`: their whole decode step compiled."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), 2, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -63,18 +62,20 @@ def _compare(model, rows, tokens: int, dynamic: bool, fixed: bool = False, compi
         config._compile_all_devices = True  # transformers compiles on GPUs only unless told
         options = {"compile_config": config}
 
-    def cache():
-        if fixed or compiled:
+    def cache(length: int):
+        if compiled:  # one capacity: the batch's graphs serve the rows alone
             return torchkv.new_cache(model, max_cache_len=width + tokens)
+        if fixed:  # a request's own capacity, as `cache_implementation="static"` sizes it (its row group's too)
+            return torchkv.new_cache(model, max_cache_len=length + tokens)
         return DynamicCache(config=model.config) if dynamic else None
 
     start = time.perf_counter()
-    batch_tokens, batch_logprobs = _greedy(model, ids, mask, tokens, cache(), **options)
+    batch_tokens, batch_logprobs = _greedy(model, ids, mask, tokens, cache(width), **options)
     seconds = time.perf_counter() - start
     out = []
     for i, r in enumerate(rows):
         alone_tokens, alone_logprobs = _greedy(model, r[None], torch.ones(1, len(r), dtype=torch.long), tokens,
-                                                 cache(), **options)
+                                                 cache(len(r)), **options)
         differ = (batch_tokens[i] != alone_tokens[0]).nonzero()
         matching = int(differ[0, 0]) if differ.numel() else tokens
         steps = min(matching + 1, tokens)  # log-probs compared up to the first differing token
