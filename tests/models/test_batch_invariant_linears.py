@@ -54,3 +54,12 @@ def test_models_it_cannot_block_are_refused():
     with pytest.raises(ValueError, match="'1'.*already replaced"):
         make_linears_batch_invariant(hooked)
     assert "forward" not in vars(hooked[0])  # nothing changed
+
+
+def test_a_refused_patch_leaves_the_model_as_it_was():
+    model = tiny_model("llama")
+    model.lm_head.forward = lambda x: x  # as accelerate's offloading hooks do
+    previous = model.config._attn_implementation
+    with pytest.raises(ValueError, match="already replaced"):
+        torchkv.patch(model, "kivi-4bit", batch_invariant=True)
+    assert model.config._attn_implementation == previous and torchkv.pipeline_of(model) is None

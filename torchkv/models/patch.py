@@ -208,10 +208,12 @@ def patch(
     _check_compatible(model, pipe)
     if model in _PATCHES:
         unpatch(model)
+    blocked = make_linears_batch_invariant(model) if batch_invariant else []  # (refuses before anything changes)
     register()
     previous, keyword = model.config._attn_implementation, _cache_keyword(model)
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
+        restore_linears(blocked)
         raise NotImplementedError(
             f"{type(model).__name__} does not let its attention implementation be set; torchkv cannot patch it"
         )
@@ -221,7 +223,6 @@ def patch(
     compiled_call = type(model).get_compiled_call
     model.get_compiled_call = lambda config: compiled_call(
         model, with_whole_step_options(config or model._default_compile_config()))
-    blocked = make_linears_batch_invariant(model) if batch_invariant else []
     _PATCHES[model] = _Patch(pipe, previous, hooks, prefill_kernel, blocked)
     return model
 
