@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: rows per product: of 4, 8, 16 and 32, the cheapest over a 1-row and a 4000-row product on 2 CPU cores
+#: rows per product: 8 keeps a decode step's 1-row product near its plain cost (SmolLM2's MLP projection on 2 CPU
+#: cores: 0.11 ms against 0.07; 0.32 with 32 rows), and a prompt's 4000-row one at about 2.2x (2.1x with 32)
 BLOCK_ROWS = 8
 
 
