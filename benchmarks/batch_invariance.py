@@ -24,7 +24,7 @@ import torchkv
 from torchkv.corpora import documents
 from torchkv.eval.runner import write_benchmark
 from torchkv.models import cache_argument
-from torchkv.models.batch_invariant import make_linears_batch_invariant, restore_linears
+from torchkv.models.batch_invariant import batch_invariant_linears
 from torchkv.models.step import WHOLE_STEP_OPTIONS
 from torchkv.models.cache import TorchKVLayer
 from torchkv.pipeline import KVPipeline
@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     ids = documents(tokenizer, max(lengths), len(lengths))
     rows = [ids[i, :n] for i, n in enumerate(lengths)]
     invariant = args.batch_invariant
-    linears = make_linears_batch_invariant(model) if invariant else []
-    results = [{"row": "dynamic", **_compare(model, rows, args.new_tokens, dynamic=True)}]
-    restore_linears(linears)
+    with batch_invariant_linears(model) if invariant else contextlib.nullcontext():
+        results = [{"row": "dynamic", **_compare(model, rows, args.new_tokens, dynamic=True)}]
     grouped, fixed, compiled = ({n for n in names.split(",") if n} for names in (args.presets, args.fixed, args.compiled))
     for name in dict.fromkeys(n for names in (args.presets, args.fixed, args.compiled) for n in names.split(",") if n):
         pipe = KVPipeline.from_preset(name, compile=False)

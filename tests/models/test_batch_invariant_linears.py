@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import torchkv
-from torchkv.models.batch_invariant import block_linear, make_linears_batch_invariant
+from torchkv.models.batch_invariant import batch_invariant_linears, block_linear, make_linears_batch_invariant
 from torchkv.testing import tiny_model
 
 
@@ -33,7 +33,7 @@ def test_leading_dimensions_are_kept():
     torch.testing.assert_close(block_linear(x, weight), F.linear(x, weight))
 
 
-def test_patch_blocks_every_linear_layer_and_unpatch_restores_them():
+def test_patch_and_the_context_block_every_linear_layer_and_restore_them():
     model = tiny_model("llama")
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -44,6 +44,9 @@ def test_patch_blocks_every_linear_layer_and_unpatch_restores_them():
             blocked = model(ids, use_cache=False).logits
         assert not any("forward" in vars(m) for m in linears)
         torch.testing.assert_close(blocked, plain)
+        with batch_invariant_linears(model):  # an unpatched model (the `dynamic` rows of the benchmarks)
+            assert all("forward" in vars(m) for m in linears)
+        assert not any("forward" in vars(m) for m in linears)
 
 
 def test_models_it_cannot_block_are_refused():

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 
 from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.models import patched
-from torchkv.models.batch_invariant import make_linears_batch_invariant, restore_linears
+from torchkv.models.batch_invariant import batch_invariant_linears
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.patch import new_cache, resolve_pipeline
 from torchkv.models.step import compile_decode_step
@@ -88,14 +88,11 @@ class Method:
     def active(self, model) -> Iterator[None]:
         """The model set up for this row (patched for torchkv rows)."""
         if self.pipeline is not None:
-            with patched(model, self.pipeline, batch_invariant=self.batch_invariant):
-                yield
-            return
-        linears = make_linears_batch_invariant(model) if self.batch_invariant else []
-        try:
+            setup = patched(model, self.pipeline, batch_invariant=self.batch_invariant)
+        else:
+            setup = batch_invariant_linears(model) if self.batch_invariant else contextlib.nullcontext()
+        with setup:
             yield
-        finally:
-            restore_linears(linears)
 
     def filled_cache(self, model, layers: list[tuple[torch.Tensor, ...]]) -> Cache:
         """A fresh cache holding a prompt captured by `models.capture.capture_qkv`: every layer stores its

@@ -9,7 +9,9 @@ shape wherever it sits, and a request's logits equal its logits alone bit for bi
 batch_invariant=True)`; the caches already hold a padded row as it would be alone).
 """
 
+import contextlib
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -55,3 +57,13 @@ def restore_linears(linears: list[nn.Linear]) -> None:
     """Undo `make_linears_batch_invariant`."""
     for linear in linears:
         del linear.forward
+
+
+@contextlib.contextmanager
+def batch_invariant_linears(model: nn.Module) -> Iterator[nn.Module]:
+    """`make_linears_batch_invariant` for the body of a `with` block (an unpatched model; `patch` holds its own)."""
+    linears = make_linears_batch_invariant(model)
+    try:
+        yield model
+    finally:
+        restore_linears(linears)
