@@ -31,7 +31,7 @@ limit "${BENCH_S:-300}" $python benchmarks/gpu_decode.py --out "$out" --kernel-s
 echo "benchmark: exit ${PIPESTATUS[0]}"; grep -A40 "^## " "$out"/gpu_decode_*.md | head -n 60
 
 limit "${KERNEL_S:-100}" $python -m pytest -q -p no:cacheprovider -p no:logging tests/ops/test_triton_decode.py \
-  > "$out/kernel_tests.log" 2>&1
+  tests/ops/test_triton_higgs_encode.py > "$out/kernel_tests.log" 2>&1
 echo "kernel tests: exit $?"; tail -n 3 "$out/kernel_tests.log"
 
 limit "${CUDA_S:-120}" $python -m pytest -q -s -p no:cacheprovider -p no:logging tests/models/test_cuda.py \

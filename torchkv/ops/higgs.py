@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from torchkv._compat import materialized
-from torchkv.ops.hadamard import hadamard
+from torchkv.ops import triton_higgs_encode
+from torchkv.ops.hadamard import hadamard, hadamard_block
 
 #: (dim, points) of the shipped grids: d=2 with 16/64/256 points (2/3/4 bits per value), d=4 with 256 (2 bits),
 #: d=8 with 256 (1 bit: the HIGGS paper's sub-2-bit grid, AQUA-KV Table 5)
@@ -160,6 +161,9 @@ def higgs_quantize(
     scale = norm.clamp(max=torch.finfo(scale_dtype).max).to(scale_dtype)
     s = scale.float()
     inv = torch.where(s > 0, math.sqrt(f) / torch.where(s > 0, s, 1.0), 0.0)
+    if triton_higgs_encode.runs_on(x, grid):  # rotation and nearest point fused, no [rows, F/d, n] scores
+        flat = triton_higgs_encode.higgs_encode(x.reshape(-1, f), inv.reshape(-1), grid, block or hadamard_block(f))
+        return flat.reshape(*x.shape[:-1], f // d), scale
     y = hadamard(x, block) * inv  # [..., F], coordinates ≈ N(0, 1)
     codes = nearest(y.unflatten(-1, (f // d, d)), grid)  # [..., F/d]
     return codes.to(_codes_dtype(n)), scale
