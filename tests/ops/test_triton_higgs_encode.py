@@ -73,13 +73,18 @@ def test_higgs_quantize_through_the_kernel(d, n, dtype, monkeypatch):
     assert_nearest(x.reshape(-1, 64), inv, grid, hadamard_block(64), got.reshape(-1, 64 // d))
 
 
-def test_grids_beyond_a_byte_keep_the_eager_path(monkeypatch):
+def test_grids_beyond_a_byte_and_blocks_beyond_128_keep_the_eager_path(monkeypatch):
     monkeypatch.setattr(triton_decode, "runs_on", lambda device: True)
-    x = torch.zeros(2, 8, device=DEVICE)
-    assert triton_higgs_encode.runs_on(x, torch.zeros(256, 4))
-    assert not triton_higgs_encode.runs_on(x, torch.zeros(257, 4))
+    x = torch.zeros(2, 256, device=DEVICE)
+    assert triton_higgs_encode.runs_on(x, torch.zeros(256, 4), 128)
+    assert not triton_higgs_encode.runs_on(x, torch.zeros(257, 4), 128)
+    assert not triton_higgs_encode.runs_on(x, torch.zeros(256, 4), 256)  # Gemma 3's 256-wide heads
+    calls = []
+    monkeypatch.setattr(triton_higgs_encode, "higgs_encode", lambda *args: calls.append(args))
+    higgs_quantize(torch.randn(3, 256, device=DEVICE), load_grid(256, 4).to(DEVICE))
+    assert not calls
     monkeypatch.setattr(triton_decode, "runs_on", lambda device: False)
-    assert not triton_higgs_encode.runs_on(x, torch.zeros(256, 4))
+    assert not triton_higgs_encode.runs_on(x, torch.zeros(256, 4), 128)
 
 
 @pytest.mark.parametrize("span", ["head", "token"])

@@ -161,8 +161,9 @@ def higgs_quantize(
     scale = norm.clamp(max=torch.finfo(scale_dtype).max).to(scale_dtype)
     s = scale.float()
     inv = torch.where(s > 0, math.sqrt(f) / torch.where(s > 0, s, 1.0), 0.0)
-    if triton_higgs_encode.runs_on(x, grid):  # rotation and nearest point fused, no [rows, F/d, n] scores
-        flat = triton_higgs_encode.higgs_encode(x.reshape(-1, f), inv.reshape(-1), grid, block or hadamard_block(f))
+    block = block or hadamard_block(f)
+    if triton_higgs_encode.runs_on(x, grid, block):  # rotation and nearest point fused, no [rows, F/d, n] scores
+        flat = triton_higgs_encode.higgs_encode(x.reshape(-1, f), inv.reshape(-1), grid, block)
         return flat.reshape(*x.shape[:-1], f // d), scale
     y = hadamard(x, block) * inv  # [..., F], coordinates ≈ N(0, 1)
     codes = nearest(y.unflatten(-1, (f // d, d)), grid)  # [..., F/d]

@@ -24,6 +24,9 @@ from torchkv.ops.triton_decode import triton
 BLOCK_M = 32
 #: the largest grid the kernel scans (its codes are bytes)
 MAX_POINTS = 256
+#: the largest Hadamard block: the dot's [B, B] float32 operand is 64 KB of shared memory at 128 (a 256-wide block,
+#: 256 KB, would not fit an H100's 228 KB)
+MAX_BLOCK = 128
 
 
 def higgs_encode_reference(x: torch.Tensor, inv: torch.Tensor, grid: torch.Tensor, block: int) -> torch.Tensor:
@@ -75,9 +78,10 @@ if triton is not None:
         tl.store(codes + rows[:, None] * K + block * (B // D) + group[None, :], code.to(tl.uint8), mask=ok)
 
 
-def runs_on(x: torch.Tensor, grid: torch.Tensor) -> bool:
-    """Encoding of `x` on its device runs this kernel: CUDA with Triton, and a grid of at most `MAX_POINTS`."""
-    return triton_decode.runs_on(x.device) and grid.shape[0] <= MAX_POINTS
+def runs_on(x: torch.Tensor, grid: torch.Tensor, block: int) -> bool:
+    """Encoding of `x` on its device runs this kernel: CUDA with Triton, a grid of at most `MAX_POINTS` and Hadamard
+    blocks of at most `MAX_BLOCK` (others take the eager path)."""
+    return triton_decode.runs_on(x.device) and grid.shape[0] <= MAX_POINTS and block <= MAX_BLOCK
 
 
 @torch.library.custom_op("torchkv::higgs_encode", mutates_args=())
@@ -87,7 +91,7 @@ def higgs_encode(x: torch.Tensor, inv: torch.Tensor, grid: torch.Tensor, block: 
     Args:
         x: [M, F] float32 rows; inv: [M] float32, each row's factor `√F/‖x‖` (0 for a zero row).
         grid: [n, d] float32, n ≤ 256, d a power of two dividing `block`.
-        block: the Hadamard block size, a power of two dividing F.
+        block: the Hadamard block size, a power of two dividing F, at most `MAX_BLOCK`.
 
     Returns:
         [M, F/d] uint8 grid indices, those of `nearest(hadamard(x, block)·inv, grid)`.
