@@ -39,12 +39,12 @@ def cases(draw):
     d, n = draw(st.sampled_from(GRIDS))
     f = draw(st.sampled_from([f for f in (8, 32, 64, 80, 192) if f % d == 0]))
     blocks = [b for b in (8, 16, 32, 64) if f % b == 0 and b >= d]
-    return dict(d=d, n=n, f=f, block=draw(st.sampled_from(blocks)), rows=draw(st.integers(0, 70)),
+    return dict(d=d, n=n, f=f, block=draw(st.sampled_from(blocks)), rows=draw(st.integers(0, 40)),
                 zero_rows=draw(st.integers(0, 3)), size=draw(st.sampled_from([1e-6, 1.0, 300.0])),
                 seed=draw(st.integers(0, 99)))
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)  # the interpreter scans a 256-point grid in about 0.1 s per block of rows
 @given(c=cases())
 def test_kernel_equals_eager_reference(c):
     g = torch.Generator().manual_seed(c["seed"])
@@ -61,7 +61,7 @@ def test_kernel_equals_eager_reference(c):
 @pytest.mark.parametrize("d, n, dtype", [(2, 256, "float32"), (4, 256, "float8_e5m2"), (8, 256, "float16")])
 def test_higgs_quantize_through_the_kernel(d, n, dtype, monkeypatch):
     """`higgs_quantize` on a device with the kernel: the eager path's scales, and its codes up to rounding ties."""
-    x = torch.randn(3, 2, 45, 64, generator=torch.Generator().manual_seed(d)).to(DEVICE) * 4
+    x = torch.randn(2, 2, 40, 64, generator=torch.Generator().manual_seed(d)).to(DEVICE) * 4
     grid = load_grid(n, d).to(DEVICE)
     scale_dtype = getattr(torch, dtype)
     monkeypatch.setattr(triton_decode, "runs_on", lambda device: False)

@@ -46,7 +46,7 @@ if triton is not None:
         = 1/√B)."""
         i = tl.arange(0, B_PAD)
         bits = i[:, None] & i[None, :]
-        for shift in tl.static_range(4, -1, -1):  # parity of the set bits of B_PAD ≤ 2^32 columns
+        for shift in tl.static_range(4, -1, -1):  # fold the 32 bits of i & j onto bit 0: their parity
             bits = bits ^ (bits >> (1 << shift))
         sign = 1.0 - 2.0 * (bits & 1).to(tl.float32)
         inside = (i < B)[:, None] & (i < B)[None, :]
