@@ -13,7 +13,7 @@ import torchkv.transforms as T
 from torchkv.models import cache_argument
 from torchkv.pipeline import KVPipeline
 from torchkv.testing import tiny_model
-from torchkv.fitting.tuning import candidates, measure, tune
+from torchkv.fitting.tuning import CANDIDATE_BITS, candidates, measure, tune
 from torchkv.fitting.tuning.candidates import rewidth
 from torchkv.fitting.tuning.sensitivity import Probe, _exposed_gradients, exposed_pairs
 from torchkv.store import flushed
@@ -111,8 +111,10 @@ def test_candidates_keep_decode_reading_and_their_bits_are_the_closed_form():
     k = rewidth(frontier.keys, 4)
     assert k[0] is frontier.keys.transforms[0] and (k[1].config.bits, k[1].config.dim) == (4, 2)  # no 4-D 4-bit grid
     assert (rewidth(frontier.keys, 1)[1].config.dim) == 8  # the 1-bit grid is 8-D
-    keys = candidates(frontier, kv_heads=3, head_dim=64)["k"]
-    assert [(c.width, c.bits) for c in keys][0] == (1, 1 + 8 / 64)  # 1-bit codes and one float8 norm per 64 values
+    options = candidates(frontier, kv_heads=3, head_dim=64)
+    keys, values = options["k"], options["v"]
+    assert [(c.width, c.bits) for c in keys] == [(2, 2 + 8 / 64), (4, 4 + 8 / 64)]  # codes and one float8 norm per 64
+    assert [c.width for c in values][0] == 1  # 1-bit values are candidates; 1-bit keys are not (CANDIDATE_BITS)
     assert all(torchkv.pipeline.Chain(list(c.transforms)).scores_stored for c in keys)
     assert rewidth(KVPipeline.from_preset("fp16").keys, 2) is None  # nothing to rewiden
 
@@ -124,7 +126,10 @@ def test_sensitivities_fall_with_width_and_tune_meets_the_budget(tmp_path):
     for layer in range(3):
         for side, cands in sensitivity.candidates[layer].items():
             at_g16 = {c.width: cost for c, cost in zip(cands, sensitivity.costs[layer][side]) if c.group_scale == 1}
-            assert at_g16[1] > at_g16[2] > at_g16[4] > at_g16[8] > 0, (layer, side, at_g16)
+            widths = sorted(at_g16)
+            assert (widths[0], widths[-1]) == (CANDIDATE_BITS[side][0], 8), (layer, side, widths)
+            costs = [at_g16[w] for w in widths]
+            assert all(a > b for a, b in zip(costs, costs[1:])) and costs[-1] > 0, (layer, side, at_g16)
     tuned, report = tune(pipe, model, IDS, budget=2.6, progress=False)
     bits = tuned.bits_per_value(2, 32, layers=3)
     assert bits.mean <= 2.6 + 1e-9 and bits.mean == pytest.approx(report["bits_per_value"])
@@ -143,7 +148,8 @@ def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():
     model = tiny_model("llama", layers=2)
     pipe = KVPipeline.from_preset("kivi-2bit", group=16, residual=16)
     for budget in (0.5, 17.0):
-        with pytest.raises(ValueError, match=r"outside what tuning can meet: the candidate settings reach 1\.75 to 10 "):
+        # least: 2-bit keys in groups of 64 tokens (2.5 bits) and 1-bit values in groups of 32 channels (2 bits)
+        with pytest.raises(ValueError, match=r"outside what tuning can meet: the candidate settings reach 2\.25 to 10 "):
             tune(pipe, model, IDS, budget=budget, progress=False)
     with pytest.raises(ValueError, match="uncalibrated transforms .*`torchkv calibrate --preset aquakv-2bit"):
         tune(KVPipeline.from_preset("aquakv-2bit"), model, IDS, budget=2.5, progress=False)

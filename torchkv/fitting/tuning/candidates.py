@@ -8,9 +8,13 @@ from torchkv.pipeline import Chain, KVPipeline
 from torchkv.transforms import Transform
 from torchkv.transforms.quantizers import higgs_dim
 
-#: widths tried for every quantizer of a chain (those a quantizer refuses, or that would make decode attention
-#: rebuild what the preset reads from its stored form, are left out)
-CANDIDATE_BITS = (1, 2, 3, 4, 8)
+#: widths tried for every quantizer of a chain, by side (those a quantizer refuses, or that would make decode
+#: attention rebuild what the preset reads from its stored form, are left out). Keys never take 1 bit: the
+#: second-order cost (`sensitivity`) underestimates it. frontier-2bit tuned to 2.5 bits on mixed text gave two
+#: layers 1-bit keys, predicted to cost 0.0004 nats, and lost +7.34 / +6.52 / +5.93% at 8K (wiki / code / docs,
+#: prompt mode); the same sensitivities allocated without 1-bit keys lost +0.77 / +4.42 / +3.02%
+#: (benchmarks/results/domains/ablations/)
+CANDIDATE_BITS = {"k": (2, 3, 4, 8), "v": (1, 2, 3, 4, 8)}
 #: multiples of a quantizer's group tried with each width (groups share metadata: larger ones cost fewer bits)
 GROUP_SCALES = (1, 2, 4)
 
@@ -69,11 +73,12 @@ def candidates(pipe: KVPipeline, kv_heads: int, head_dim: int, widths=CANDIDATE_
     """Each side's candidate settings ("k", "v"), cheapest first, with their stored bits per value measured on
     the real state tensors of one chunk (`KVPipeline.bits_per_value`) at the model's KV shapes. Every candidate
     keeps the preset's decode reading: a chain that decode attention scores (sums) from its stored form stays so.
-    A candidate whose token group exceeds the pipeline's chunk needs a larger chunk (`tuned_chunk`)."""
+    A candidate whose token group exceeds the pipeline's chunk needs a larger chunk (`tuned_chunk`). `widths`: the
+    widths tried, by side."""
     out = {}
     for side, chain, other in (("k", pipe.keys, pipe.values), ("v", pipe.values, pipe.keys)):
         found: dict[str, Candidate] = {}
-        for width, scale in itertools.product(widths, group_scales):
+        for width, scale in itertools.product(widths[side], group_scales):
             transforms = rewidth(chain, width, scale)
             if transforms is None:
                 continue
@@ -95,7 +100,7 @@ def candidates(pipe: KVPipeline, kv_heads: int, head_dim: int, widths=CANDIDATE_
                                               width, scale))
         if not found:
             raise ValueError(f"pipeline '{pipe.name}': its {'key' if side == 'k' else 'value'} chain "
-                             f"{chain.transforms} has no quantizer that takes any of the widths {widths}; "
+                             f"{chain.transforms} has no quantizer that takes any of the widths {widths[side]}; "
                              "tuning chooses widths per layer")
         out[side] = sorted(found.values(), key=lambda c: c.bits)
     return out
