@@ -22,7 +22,7 @@ run: setup
 	$(PY) -m torchkv eval --quick --presets kivi-4bit,kivi-2bit,frontier-2bit,quanto-4bit --out benchmarks/results/quick/quick.json
 
 test: setup
-	$(PY) -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" --durations=60 $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

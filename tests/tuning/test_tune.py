@@ -193,3 +193,34 @@ def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads):
     assert g_k[:, :, 100:].abs().max() == 0 and g_v[:, :, 100:].abs().max() == 0
     torch.testing.assert_close(g_k[:, :, :100], dk.grad[:, :, :100], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(g_v[:, :, :100], dv.grad[:, :, :100], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model
+def test_reallocating_a_tuned_folder_reproduces_it_and_meets_a_lower_budget():
+    """`benchmarks/reallocate.py` on the committed recommended folder: at its own budget it chooses its widths again
+    (the allocation is exact and deterministic); at 2.1 bits it meets the budget; 1-bit values left out, none remain; weighted keys cost no less."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("reallocate", root / "benchmarks/reallocate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = root / "benchmarks/results/domains/tuned/frontier-2bit@2.5_mixed_no_1bit_keys"
+    saved = json.loads((src / "tune.json").read_text())
+    again = module.reallocate(src, saved["budget"], {"k": 1, "v": 1})[1]
+    widths = [(layer["keys"], layer["values"]) for layer in saved["layers"]]
+    assert [(layer["keys"], layer["values"]) for layer in again["layers"]] == widths
+    assert again["predicted_kl"] == pytest.approx(saved["predicted_kl"])
+    lower, report = module.reallocate(src, 2.1, {"k": 1, "v": 1})
+    assert report["bits_per_value"] <= 2.1 and report["predicted_kl"] > saved["predicted_kl"]
+    assert lower.tuned_on == "mixed" and report["reallocated_from"] == str(src)
+    no_1bit_values = module.reallocate(src, 2.5, {"k": 1, "v": 2})[1]
+    assert min(layer["value_bits"] for layer in no_1bit_values["layers"]) >= 2
+    keys_first = module.reallocate(src, 2.5, {"k": 1, "v": 1}, key_weight=4.0)[1]  # priced by the measured costs
+    assert keys_first["predicted_kl"] == pytest.approx(sum(x["key_kl"] + x["value_kl"] for x in keys_first["layers"]))
+    assert keys_first["predicted_kl"] >= again["predicted_kl"] * (1 - 1e-9)  # the unweighted choice is the optimum
+    with pytest.raises(ValueError, match="outside what tuning can meet"):
+        module.reallocate(src, 1.5, {"k": 1, "v": 1})
+    with pytest.raises(ValueError, match="positive factor"):
+        module.reallocate(src, 2.5, {"k": 1, "v": 1}, key_weight=0.0)
