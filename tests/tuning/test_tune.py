@@ -198,7 +198,8 @@ def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads):
 @pytest.mark.model
 def test_reallocating_a_tuned_folder_reproduces_it_and_meets_a_lower_budget():
     """`benchmarks/reallocate.py` on the committed recommended folder: at its own budget it chooses its widths again
-    (the allocation is exact and deterministic); at 2.1 bits it meets the budget; 1-bit values left out, none remain; weighted keys cost no less."""
+    (the allocation is exact and deterministic); at 2.1 bits it meets the budget; 1-bit values left out, none remain;
+    weighted keys cost no less."""
     import importlib.util
     from pathlib import Path
 
