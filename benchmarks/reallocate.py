@@ -45,8 +45,10 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
     sensitivity = Sensitivity(pipe, kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"])
     tuned, out = _tuned(sensitivity, model, budget)
     tuned.tuned_on = report["domain"]
-    for layer in out["layers"]:
+    for layer in out["layers"]:  # the report keeps the measured costs
         layer["key_kl"] /= key_weight
+    for layer in out["sensitivity"]:
+        layer["k"] = {label: cost / key_weight for label, cost in layer["k"].items()}
     out.update(model=report["model"], domain=report["domain"], reallocated_from=str(src), min_bits=min_bits,
                key_weight=key_weight, predicted_kl=sum(layer["key_kl"] + layer["value_kl"] for layer in out["layers"]))
     return tuned, out

@@ -221,6 +221,9 @@ def test_reallocating_a_tuned_folder_reproduces_it_and_meets_a_lower_budget():
     keys_first = module.reallocate(src, 2.5, {"k": 1, "v": 1}, key_weight=4.0)[1]  # priced by the measured costs
     assert keys_first["predicted_kl"] == pytest.approx(sum(x["key_kl"] + x["value_kl"] for x in keys_first["layers"]))
     assert keys_first["predicted_kl"] >= again["predicted_kl"] * (1 - 1e-9)  # the unweighted choice is the optimum
+    measured = [cost for layer in saved["sensitivity"] for side in ("k", "v") for cost in layer[side].values()]
+    reported = [cost for layer in keys_first["sensitivity"] for side in ("k", "v") for cost in layer[side].values()]
+    assert reported == pytest.approx(measured, rel=1e-12)  # the report keeps the measured costs
     with pytest.raises(ValueError, match="outside what tuning can meet"):
         module.reallocate(src, 1.5, {"k": 1, "v": 1})
     with pytest.raises(ValueError, match="positive factor"):
