@@ -16,8 +16,7 @@ from pathlib import Path
 import torchkv
 from torchkv._compat import config_head_dim
 from torchkv.eval.rows import method
-from torchkv.fitting.tuning import Sensitivity, candidates, check_budget
-from torchkv.fitting.tuning import _tuned
+from torchkv.fitting.tuning import Sensitivity, bits_range, candidates, check_budget, tuned_for_model
 
 
 def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: float = 1.0
@@ -39,11 +38,9 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
         kept.append(sides)
         costs.append({side: [measured[side][c.label] * (key_weight if side == "k" else 1.0) for c in sides[side]]
                       for side in ("k", "v")})
-    low = sum(layer[side][0].bits for layer in kept for side in ("k", "v")) / (2 * len(kept))
-    high = sum(layer[side][-1].bits for layer in kept for side in ("k", "v")) / (2 * len(kept))
-    check_budget(budget, low, high)
+    check_budget(budget, *bits_range(kept))
     sensitivity = Sensitivity(pipe, kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"])
-    tuned, out = _tuned(sensitivity, model, budget)
+    tuned, out = tuned_for_model(sensitivity, model, budget)
     tuned.tuned_on = report["domain"]
     for layer in out["layers"]:  # the report keeps the measured costs
         layer["key_kl"] /= key_weight

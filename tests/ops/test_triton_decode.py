@@ -147,7 +147,7 @@ def grid_cases(draw):
     """A frontier-like pipeline (optionally balanced HIGGS keys on a 256-point grid, Hadamard-rotated symmetric
     per-token values) over a history as in `cases`."""
     c = draw(cases())
-    return {**c, "dim": draw(st.sampled_from([32, 64, 80])), "key_bits": draw(st.sampled_from([1, 2, 4])),
+    return {**c, "dim": draw(st.sampled_from([32, 64, 80])), "key_bits": draw(st.sampled_from([1, 2, 3, 4])),
             "span": draw(st.sampled_from(["head", "token"])), "balance": draw(st.booleans()),
             "key_meta": draw(st.sampled_from(["float16", "float32", "float8_e5m2", "float8_e4m3fn"])),
             "value_meta": draw(st.sampled_from(["float16", "float8_e5m2", "float8_e4m3fn"])),
@@ -157,7 +157,8 @@ def grid_cases(draw):
 def _grid_inputs(c):
     """As `_inputs`, for a `grid_cases` pipeline; "tiny" keys and values have subnormal float8 metadata."""
     g = torch.Generator().manual_seed(c["seed"])
-    higgs = T.quantize("higgs", bits=c["key_bits"], dim=8 // c["key_bits"], span=c["span"], scale_dtype=c["key_meta"])
+    dim = {1: 8, 2: 4, 3: 2, 4: 2}[c["key_bits"]]  # 8-bit codes, and 6-bit ones (3 bits, 2-D) packed in words
+    higgs = T.quantize("higgs", bits=c["key_bits"], dim=dim, span=c["span"], scale_dtype=c["key_meta"])
     values = T.quantize(bits=c["bits"], axis="token", group=None, symmetric=True, step="gaussian",
                         meta_dtype=c["value_meta"])
     pipe = torchkv.KVPipeline(keys=[*([T.project("balance")] if c["balance"] else []), higgs, T.pack()],
@@ -183,7 +184,8 @@ def _grid_args(pipe, s, q, kf, vf, mask, live, softcap, bias):
     return (q.reshape(b, hq, d), q.reshape(b, hq, d), s["k.out"],
             s[f"k.{pipe.keys.reader}.scale"][..., 0], higgs.grid_on(q.device), s["v.out"],
             s[f"v.{pipe.values.reader}.scale"][..., 0], kf, vf,
-            mask, bias, live, softcap, higgs.row_norm(kf.shape[1], d), pipe.values.transforms[1].config.bits)
+            mask, bias, live, softcap, higgs.row_norm(kf.shape[1], d), pipe.values.transforms[1].config.bits,
+            higgs.code_bits)
 
 
 @settings(max_examples=8)  # the suite's time: grid cases share the KIVI cases' split, mask and combine code
@@ -222,8 +224,9 @@ def test_pipeline_grid_kernel_path_equals_the_inductor_path(c):
 
 
 def test_grid_many_splits_combine():
+    """Many splits of 6-bit key codes packed in words (the 3-bit grid): the codes that straddle bytes read right."""
     c = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=40, fp=3, live=37, pad=5,
-             window=None, softcap=0.0, dtype=torch.float32, seed=3, key_bits=2, span="head", balance=True,
+             window=None, softcap=0.0, dtype=torch.float32, seed=3, key_bits=3, span="head", balance=True,
              key_meta="float8_e5m2", value_meta="float8_e5m2", tiny=False)
     pipe, s, _, q, kf, vf, mask, live = _grid_inputs(c)
     assert triton_decode._splits(1, 40 * 32)[1] > 8

@@ -249,6 +249,7 @@ READ_STORED = {
     "higgs-4d": lambda: [T.quantize("higgs", bits=2, dim=4), T.pack()],
     "higgs-1bit-8d-balanced": lambda: [T.project("balance"), T.quantize("higgs", bits=1, dim=8), T.pack()],
     "higgs-4bit-centred": lambda: [T.predict("center"), T.quantize("higgs", bits=4, dim=2), T.pack()],
+    "higgs-3bit-words-balanced": lambda: [T.project("balance"), T.quantize("higgs", bits=3, dim=2), T.pack()],
     "higgs-token-span-centred-after-hadamard": lambda: [
         T.rotate("hadamard", block=16), T.predict("center"), T.quantize("higgs", bits=2, dim=2, span="token"), T.pack()],
     "higgs-centred-balanced": lambda: [
@@ -279,7 +280,8 @@ def test_scores_and_sums_read_from_the_stored_form_equal_the_reconstructions(cha
 
 @pytest.mark.parametrize("transforms,use,reason", [
     ([T.rotate("pre_rope"), T.quantize("cast")], "scores", "rotate.pre_rope.* is not an affine map"),  # RoPE
-    ([T.quantize("higgs", bits=3, dim=2), T.pack()], "sums", r"pack.bits\(bits=6\) is not a planar layout"),  # words
+    ([T.quantize(bits=3, axis="token", group=16), T.pack()], "sums", r"pack.bits\(bits=3\) is not a planar layout"),
+    ([T.quantize("higgs", bits=3, dim=2), T.pack(bits=7)], "scores", r"pack.bits\(bits=7\) is not a planar layout"),
     ([T.quantize(bits=2, axis="token", group=16)], "sums", "not packed to one of its widths"),  # unpacked codes
     ([T.quantize("schedule", bits=(4, 2), group=8), T.pack()], "scores", "is not a planar layout"),
     ([T.quantize("cast"), T.pack(bits=8)], "scores", "has no reduction over packed codes"),

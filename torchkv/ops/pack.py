@@ -95,10 +95,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         )
     if bits in PLANAR_BITS:
         return unpack_planes(packed, bits).flatten(-2)[..., :n]
+    # code l of a word starts at bit l·b of it (little end first), so the word's byte l·b // 8 and the next hold it:
+    # fixed slices of the bytes, which compiled decode reductions read without 64-bit arithmetic per code
     codes_per_word, bytes_per_word = _word(bits)
-    words = packed.unflatten(-1, (-1, bytes_per_word)).long()  # [..., W, bytes]
-    byte_shifts = torch.arange(bytes_per_word, device=packed.device) * 8
-    value = (words << byte_shifts).sum(-1, keepdim=True)  # [..., W, 1]
-    shifts = torch.arange(codes_per_word, device=packed.device) * bits
-    codes = ((value >> shifts) & (2**bits - 1)).to(torch.uint8).flatten(-2)
-    return codes[..., :n]
+    words = packed.unflatten(-1, (-1, bytes_per_word)).int()  # [..., W, bytes]
+    codes = []
+    for at in range(0, codes_per_word * bits, bits):
+        pair = words[..., at // 8] | (words[..., at // 8 + 1] << 8 if at // 8 + 1 < bytes_per_word else 0)
+        codes.append((pair >> at % 8) & (2**bits - 1))
+    return torch.stack(codes, -1).flatten(-2)[..., :n].to(torch.uint8)

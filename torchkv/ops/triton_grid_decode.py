@@ -2,15 +2,16 @@
 form), as Triton kernels, beside its eager reference.
 
 The stored form:
-- keys (`quantize.higgs`, 256-point grids): one byte per `d`-D group of channels, the index of a grid point, and
-  one multiplier per token (and KV head, or per token for every head); a key in the quantizer's rotated domain is
-  `k̂_t = m_t·r·[grid[c_t1], ..., grid[c_tK]]` (r = 1/√row size);
+- keys (`quantize.higgs`, 256- or 64-point grids): per `d`-D group of channels the index of a grid point, one
+  byte each (8-bit codes) or packed in words (6-bit codes: four in 3 bytes, so a token's codes are one
+  little-endian bit string), and one multiplier per token (and KV head, or per token for every head); a key in the
+  quantizer's rotated domain is `k̂_t = m_t·r·[grid[c_t1], ..., grid[c_tK]]` (r = 1/√row size);
 - values (`quantize.uniform` per token, symmetric, planar-packed): `v̂_td = (c_td − (2^b − 1)/2)·Δ_t`, in the
   domain of the transforms before the quantizer (a Hadamard rotation).
 
 `grid_decode` computes `softmax(q·[k̂; k_fp]ᵀ)·[v̂; v_fp]` like `triton_decode.kivi_decode`, with the same
 grid of programs (B·H, S + 1), GQA inside each program, online softmax and log-sum-exp combine. Each block of
-tokens gathers its keys' grid points (a 256·d table of float32, which stays in the L1 cache) into registers and
+tokens gathers its keys' grid points (at most a 256·d table of float32, which stays in the L1 cache) into registers and
 scores them with one dot against the query rotated into the quantizer's domain. The caller rotates the query once
 per step, maps the full-precision values into the values' stored domain (F tokens, a window's worth) and maps the
 output back once.
@@ -23,17 +24,21 @@ import torch
 from torchkv.ops import triton_decode
 from torchkv.ops.triton_decode import _dot, _splits, triton
 
+#: key code widths the kernel reads: a byte per code (256-point grids), or words of four 6-bit codes (64 points).
+#: 4-bit codes (16 points) are planar-packed, which is not one bit string per token
+CODE_BITS = (6, 8)
 #: metadata dtypes read as bytes, with (mantissa bits, exponent bias): the kernels widen them in registers
 FLOAT8 = {torch.float8_e5m2: (2, 15), torch.float8_e4m3fn: (3, 7)}
 
 
 def grid_decode_reference(q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live, softcap: float,
-                          key_norm: float, bits_v: int):
+                          key_norm: float, bits_v: int, code_bits: int):
     """Eager reference of `grid_decode` (dequantizes the whole history; for tests only). Shapes as `grid_decode`."""
     from torchkv.ops.pack import unpack_bits
 
     d = q_fp.shape[-1]
-    k_hat = grid[kc.long()].flatten(-2) * (ks.float()[..., None] * key_norm)  # [B, H, TE, D]
+    codes = unpack_bits(kc, code_bits, d // grid.shape[-1]).long()  # [B, H, TE, K]
+    k_hat = grid[codes].flatten(-2) * (ks.float()[..., None] * key_norm)  # [B, H, TE, D]
     v_hat = (unpack_bits(vc, bits_v, d).float() - (2**bits_v - 1) / 2) * vs.float()[..., None]
     return triton_decode.reference_attention(q_enc, q_fp, k_hat, v_hat, kf, vf, mask, bias, live, softcap)
 
@@ -58,15 +63,30 @@ if triton is not None:
         return tl.where((u >> 7) != 0, -mag, mag)
 
     @triton.jit
-    def _grid_scores(q, kc, ks, grid, row, srow, tmask, extra, key_norm, K,
-                     DG: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, K_MANT: tl.constexpr,
-                     K_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    def _grid_codes(kc, row, tmask, K, KB, CODE_BITS: tl.constexpr, K_PAD: tl.constexpr):
+        """The K grid indices [BLOCK, K_PAD] int32 of the tokens at `row`s (KB bytes each): one byte per code, or
+        codes of CODE_BITS < 8 read from the token's little-endian bit string (two bytes hold each one)."""
+        ok = tl.arange(0, K_PAD)
+        read = tmask[:, None] & (ok < K)[None, :]
+        if CODE_BITS == 8:
+            codes = tl.load(kc + row[:, None] * KB + ok[None, :], mask=read, other=0).to(tl.int32)
+        else:
+            at = ok * CODE_BITS
+            byte = row[:, None] * KB + (at >> 3)[None, :]
+            low = tl.load(kc + byte, mask=read, other=0).to(tl.int32)
+            high = tl.load(kc + byte + 1, mask=read & ((at >> 3) + 1 < KB)[None, :], other=0).to(tl.int32)
+            codes = ((low | (high << 8)) >> (at & 7)[None, :]) & ((1 << CODE_BITS) - 1)
+        return codes
+
+    @triton.jit
+    def _grid_scores(q, kc, ks, grid, row, srow, tmask, extra, key_norm, K, KB,
+                     DG: tl.constexpr, K_PAD: tl.constexpr, CODE_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                     K_MANT: tl.constexpr, K_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
         """q · k̂ [BLOCK_G, BLOCK] of the tokens at `row`s: their K grid indices gathered to points in registers
         [BLOCK, K_PAD·DG] (channel order), one dot, each token's multiplier applied to its column."""
-        ok = tl.arange(0, K_PAD)
-        codes = tl.load(kc + row[:, None] * K + ok[None, :], mask=tmask[:, None] & (ok < K)[None, :], other=0)
+        codes = _grid_codes(kc, row, tmask, K, KB, CODE_BITS, K_PAD)
         j = tl.arange(0, DG)
-        points = tl.load(grid + codes.to(tl.int32)[:, :, None] * DG + j[None, None, :])  # [BLOCK, K_PAD, DG]
+        points = tl.load(grid + codes[:, :, None] * DG + j[None, None, :])  # [BLOCK, K_PAD, DG]
         k = tl.reshape(points, (BLOCK, K_PAD * DG))
         s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION)
         mult = _meta(ks, srow, tmask, K_MANT, K_BIAS) * key_norm
@@ -84,8 +104,8 @@ if triton is not None:
     def _grid_split_kernel(
         q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live,
         part_o, part_m, part_l, s_fp,
-        H, SH, TE, F, K, MV, SPLIT, NSPLIT, mask_rows, mask_cols, softcap, key_norm,
-        G: tl.constexpr, D: tl.constexpr, DG: tl.constexpr, K_PAD: tl.constexpr,
+        H, SH, TE, F, K, KB, MV, SPLIT, NSPLIT, mask_rows, mask_cols, softcap, key_norm,
+        G: tl.constexpr, D: tl.constexpr, DG: tl.constexpr, K_PAD: tl.constexpr, CODE_BITS: tl.constexpr,
         BITS_V: tl.constexpr, MV_PAD: tl.constexpr,
         K_MANT: tl.constexpr, K_BIAS: tl.constexpr, V_MANT: tl.constexpr, V_BIAS: tl.constexpr,
         HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -116,7 +136,7 @@ if triton is not None:
                 tmask = t < end
                 row = bh * TE + t  # token row of the [B·H, TE, ...] tensors
                 s = _grid_scores(q, kc, ks, grid, row, (b * SH + scale_head) * TE + t, tmask, extra, key_norm, K,
-                                 DG, K_PAD, BLOCK, K_MANT, K_BIAS, DOT, PRECISION)
+                                 KB, DG, K_PAD, CODE_BITS, BLOCK, K_MANT, K_BIAS, DOT, PRECISION)
                 s = _scored(s, t, tmask, mask, mrow, softcap, SOFTCAP, HAS_MASK)
                 v = _symmetric_values(vc, vs, row, tmask, MV, BITS_V, MV_PAD, BLOCK, V_MANT, V_BIAS)
                 m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
@@ -138,6 +158,7 @@ def grid_decode(
     q_enc: torch.Tensor, q_fp: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, grid: torch.Tensor,
     vc: torch.Tensor, vs: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, mask: torch.Tensor | None,
     bias: torch.Tensor | None, live: torch.Tensor | None, softcap: float, key_norm: float, bits_v: int,
+    code_bits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode attention of one query per row over grid-coded keys, symmetric per-token value codes and
     full-precision tokens.
@@ -145,8 +166,9 @@ def grid_decode(
     Args:
         q_enc: [B, Hq, D] float32, the (scaled) query in the keys' quantized domain; q_fp: the query as the
             full-precision keys read it. Query head i reads KV head i // (Hq/H).
-        kc: [B, H, TE, K] uint8 grid indices (K = D/d); ks: [B, H or 1, TE] each token's multiplier (float16,
-            float32 or float8); grid: [256, d] float32; key_norm: r, the factor every multiplier takes.
+        kc: [B, H, TE, KB] uint8: K = D/d grid indices of `code_bits` bits (8: one byte each; 6: packed in words,
+            `ops.pack`); ks: [B, H or 1, TE] each token's multiplier (float16, float32 or float8); grid:
+            [2^code_bits, d] float32; key_norm: r, the factor every multiplier takes.
         vc: [B, H, TE, MV] uint8 planar value codes of `bits_v` bits; vs: [B, H, TE] each token's step.
         kf, vf: [B, H, F, D] the full-precision tokens (sinks, window, new), after the encoded ones; vf in the
             values' stored domain.
@@ -156,9 +178,10 @@ def grid_decode(
         out [B, Hq, D] float32, in the values' stored domain; lse [B, Hq]; s_fp [B, Hq, F], as `kivi_decode`.
     """
     b, hq, d = q_fp.shape
-    h, te, k = kc.shape[1:]
+    h, te, kb = kc.shape[1:]
     f, mv = kf.shape[2], vc.shape[-1]
     dg = grid.shape[-1]
+    k = d // dg
     g = hq // h
     per, nsplit = _splits(b * h, te)
     parts = nsplit + 1
@@ -175,9 +198,10 @@ def grid_decode(
         kf.contiguous(), vf.contiguous(),
         unread if mask is None else mask.contiguous().view(torch.uint8), unread if bias is None else bias.contiguous(),
         unread if live is None else live, part_o, part_m, part_l, s_fp,
-        h, ks.shape[1], te, f, k, mv,
+        h, ks.shape[1], te, f, k, kb, mv,
         per, nsplit, 1 if mask is None else mask.shape[0], te + f, float(softcap), float(key_norm),
-        G=g, D=d, DG=dg, K_PAD=triton.next_power_of_2(k), BITS_V=bits_v, MV_PAD=triton.next_power_of_2(mv),
+        G=g, D=d, DG=dg, K_PAD=triton.next_power_of_2(k), CODE_BITS=code_bits, BITS_V=bits_v,
+        MV_PAD=triton.next_power_of_2(mv),
         K_MANT=k_mant, K_BIAS=k_bias, V_MANT=v_mant, V_BIAS=v_bias,
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
         BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=triton_decode.BLOCK_T,
@@ -191,7 +215,7 @@ def grid_decode(
 
 
 @grid_decode.register_fake
-def _(q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live, softcap, key_norm, bits_v):
+def _(q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live, softcap, key_norm, bits_v, code_bits):
     b, hq, d = q_fp.shape
     return (q_fp.new_empty(b, hq, d, dtype=torch.float32), q_fp.new_empty(b, hq, dtype=torch.float32),
             q_fp.new_empty(b, hq, kf.shape[2], dtype=torch.float32))

@@ -40,9 +40,10 @@ class Chain:
                 )
             resolved.append(t)
         self.transforms = resolved
-        packed = len(resolved) > 1 and resolved[-1].kind == "pack" and resolved[-1].planar
+        packed = len(resolved) > 1 and resolved[-1].kind == "pack" and (resolved[-1].planar or (
+            resolved[-2].reads_words and resolved[-1].bits == resolved[-2].code_bits))
         #: the transform whose `scores`/`weighted_sum` read the stored output: the last one, or the one before a
-        #: planar pack when it reads packed codes
+        #: planar pack (any pack of its width, where it `reads_words`) when it reads packed codes
         self.reader = len(resolved) - 1 - packed
         #: why decode attention cannot score ("scores") or sum ("sums") the stored form; None where it can
         self.rebuilds = {use: self._why_rebuilt(use, packed) for use in ("scores", "sums")}

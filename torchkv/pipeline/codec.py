@@ -140,7 +140,7 @@ class Codec:
             out, lse, s_fp = triton_grid_decode.grid_decode(
                 keys.rotated_query(q_enc).reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"],
                 codes[f"k.{kr}.scale"][..., 0], keys.grid_on(q.device), codes["v.out"], codes[f"v.{vr}.scale"][..., 0],
-                k_fp, v_stored, *common, keys.row_norm(h, d), values.config.bits,
+                k_fp, v_stored, *common, keys.row_norm(h, d), values.config.bits, keys.code_bits,
             )
         out = self.values.map_sum(out.view(b, h, hq // h, d), out.new_ones(()), d, own_v)
         fp_attention = torch.exp(s_fp - lse[..., None]).mean((0, 1))  # [F]
@@ -242,12 +242,12 @@ class Codec:
         if isinstance(k, UniformQuantize) and k.config.axis == "channel" and not k.config.symmetric:
             if per_token and not v.config.symmetric:
                 return "kivi", None
-        elif isinstance(k, HiggsQuantize) and k.code_bits == 8:
+        elif isinstance(k, HiggsQuantize) and k.code_bits in triton_grid_decode.CODE_BITS:
             if per_token and v.config.symmetric and v.config.group in (None, head_dim):
                 return "grid", None
         return None, ("the kernels read asymmetric uniform keys per channel with asymmetric uniform values per token "
-                      "(KIVI's layout), or keys in 256-point grid codes with symmetric values, one step per token "
-                      f"(frontier's); the keys are stored by {k!r} and the values by {v!r}")
+                      "(KIVI's layout), or keys in 64- or 256-point grid codes with symmetric values, one step per "
+                      f"token (frontier's); the keys are stored by {k!r} and the values by {v!r}")
 
     def run(self, fn: Callable, *args):
         """`fn(*args)` (one of this codec's encode, decode, attend), eagerly or compiled as `compile` says (inside a

@@ -146,13 +146,17 @@ class Transform:
     # -- attention over the encoded form (decode), optional ------------------------------------------
     # A transform may also read its own stored output in decode attention: `scores(q, y, state)` ->
     # `[B, H, g, NC, C]` and `weighted_sum(p, y, state, ctx)` -> `[B, H, g, F]`, with y its output as stored
-    # (the packed codes when `reads_packed`: it is then followed by a planar pack), viewed by chunk.
+    # (the packed codes when `reads_packed`: it is then followed by a planar pack, or by any pack of its own
+    # code width when `reads_words`), viewed by chunk.
     #: a linear map of the features, or an affine one whose offset is per-sequence state (`score_offset`):
     #: scores and weighted sums can be computed in the encoded space through `map_query` / `map_output`
     #: (rotations, projections, centring).
     linear: ClassVar[bool] = False
     #: `scores`/`weighted_sum` read planar-packed codes (the chain must end with a planar pack after it)
     reads_packed: ClassVar[bool] = False
+    #: they also read codes packed in words (3, 5, 6, 7 bits): the reader unpacks each token's codes before it
+    #: gathers from them, where reductions over planes would need the planar layout
+    reads_words: ClassVar[bool] = False
     #: which of `scores` and `weighted_sum` the transform defines over its stored output
     reads_stored: ClassVar[frozenset[str]] = frozenset()
     #: picks the encoded tokens each decode step reads (`select`: sparse attention)

@@ -193,6 +193,7 @@ class HiggsQuantize(Transform):
 
     Config = HiggsConfig
     reads_packed = True
+    reads_words = True  # `_stored` unpacks each token's codes (3-bit 2-D grids: 6-bit codes, four in 3 bytes)
     reads_stored = frozenset({"scores", "weighted_sum"})
 
     def __init__(self, **config):
@@ -255,7 +256,7 @@ class HiggsQuantize(Transform):
         return codes, state["scale"].float() * self.row_norm(packed.shape[1], dim)
 
     def scores(self, q: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Decode attention scores read from packed grid codes.
+        """Decode attention scores read from packed grid codes (planar, or in words for 6-bit codes).
 
         Args:
             q: [B, H, g, F] float32. packed: [B, H, NC, C, M] uint8; state viewed by chunk likewise.

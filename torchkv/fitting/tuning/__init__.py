@@ -29,8 +29,8 @@ FULL_PRECISION = 16.0
 SEQ_LEN = 2048
 
 __all__ = ["CANDIDATE_BITS", "SEQ_LEN", "Candidate", "Sensitivity", "candidates", "measure", "allocate", "tune", "tuned_pipeline",
-           "check_tunable", "reachable",
-           "calibration_sensitivity", "tuned_on_calibration_split"]
+           "tuned_for_model", "check_tunable", "check_budget", "reachable", "bits_range", "calibration_sensitivity",
+           "tuned_on_calibration_split"]
 
 
 def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
@@ -49,13 +49,16 @@ def reachable(pipe: KVPipeline, model) -> tuple[float, float]:
     config = model.config.get_text_config(decoder=True)
     head_dim = config_head_dim(config)
     per_group: dict[int, dict[str, list[Candidate]]] = {}
-    low = high = 0.0
-    for i in range(config.num_hidden_layers):
-        layer_pipe = pipe.for_layer(i)
-        options = per_group.setdefault(id(layer_pipe), candidates(layer_pipe, config.num_key_value_heads, head_dim))
-        low += sum(c[0].bits for c in options.values()) / 2
-        high += sum(c[-1].bits for c in options.values()) / 2
-    return low / config.num_hidden_layers, high / config.num_hidden_layers
+    kv_heads = config.num_key_value_heads
+    return bits_range([per_group.setdefault(id(layer_pipe), candidates(layer_pipe, kv_heads, head_dim))
+                       for layer_pipe in map(pipe.for_layer, range(config.num_hidden_layers))])
+
+
+def bits_range(options: list[dict[str, list[Candidate]]]) -> tuple[float, float]:
+    """Least and most stored bits per value (mean over layers, keys and values) of each layer's candidates by side,
+    cheapest first."""
+    ends = [sum(side[end].bits for layer in options for side in layer.values()) / (2 * len(options)) for end in (0, -1)]
+    return ends[0], ends[1]
 
 
 def check_budget(budget: float, low: float, high: float) -> None:
@@ -127,14 +130,15 @@ def tune(
     check_budget(budget, *reachable(pipe, model))
     ids = token_windows(tokenizer, texts, seq_len, max_tokens)
     sensitivity = measure(pipe, model, ids, batch=batch, progress=progress)
-    tuned, report = _tuned(sensitivity, model, budget)
+    tuned, report = tuned_for_model(sensitivity, model, budget)
     tuned.tuned_on = domain
     report.update(seconds=time.perf_counter() - started, domain=domain, peak_rss_mib=peak_rss() / 2**20,
                   peak_rss_since="tune" if resettable else "process start")
     return tuned, report
 
 
-def _tuned(sensitivity: Sensitivity, model, budget: float) -> tuple[KVPipeline, dict[str, Any]]:
+def tuned_for_model(sensitivity: Sensitivity, model, budget: float) -> tuple[KVPipeline, dict[str, Any]]:
+    """`tuned_pipeline`, marked as tuned for `model`, with the measurement in its report (what `tune.json` holds)."""
     from torchkv.models.arch import fingerprint
 
     tuned, report = tuned_pipeline(sensitivity, budget)
@@ -175,7 +179,8 @@ def tuned_on_calibration_split(pipe: KVPipeline, model, tokenizer, budget: float
     """`tune` on `domain`'s calibration split, its sensitivities from `calibration_sensitivity`."""
     started = time.perf_counter()
     check_budget(budget, *reachable(check_tunable(pipe, model), model))
-    tuned, report = _tuned(calibration_sensitivity(pipe, model, tokenizer, tokens, progress, domain), model, budget)
+    sensitivity = calibration_sensitivity(pipe, model, tokenizer, tokens, progress, domain)
+    tuned, report = tuned_for_model(sensitivity, model, budget)
     tuned.tuned_on = domain
     report.update(seconds=time.perf_counter() - started, domain=domain)
     return tuned, report

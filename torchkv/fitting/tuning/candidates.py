@@ -13,7 +13,9 @@ from torchkv.transforms.quantizers import higgs_dim
 #: second-order cost (`sensitivity`) underestimates it. frontier-2bit tuned to 2.5 bits on mixed text gave two
 #: layers 1-bit keys, predicted to cost 0.0004 nats, and lost +7.34 / +6.52 / +5.93% at 8K (wiki / code / docs,
 #: prompt mode); the same sensitivities allocated without 1-bit keys lost +0.77 / +4.42 / +3.02%
-#: (benchmarks/results/domains/ablations/)
+#: (benchmarks/results/domains/ablations/). 3-bit keys (6-bit codes of a 64-point 2-D grid, read from their words)
+#: lowered the worst perplexity cell of the 2.5-bit tuning from +4.42% to +3.86% and of its 2.1-bit allocation from
+#: +9.80% to +7.63% (three domains, prompt mode and streaming; benchmarks/results/domains/eval_*3bit_keys*)
 CANDIDATE_BITS = {"k": (2, 3, 4, 8), "v": (1, 2, 3, 4, 8)}
 #: multiples of a quantizer's group tried with each width (groups share metadata: larger ones cost fewer bits)
 GROUP_SCALES = (1, 2, 4)
