@@ -145,6 +145,9 @@ def test_run_eval_writes_rows_as_they_finish(tmp_path, monkeypatch):
     assert saved["meta"]["machine"]["cpu_count"] and saved["meta"]["torch"] and saved["meta"]["settings"]["seed"] == 0
     table = markdown_table(saved)
     assert "| kivi-4bit |" in table and "(+" in table
+    assert "Held-out text by domain" in table and "tuned on the calibration split" not in table  # no tuned row
+    tuned = {**saved, "rows": [*saved["rows"], {**row, "name": "tuned:kivi-2bit@2.5"}]}
+    assert f"tuned on the calibration split of {saved['meta']['settings']['tune_domain']}." in markdown_table(tuned)
     assert "Pareto" in table and "| kivi-4bit |" in table.split("Pareto")[1]
     written = plots(saved, tmp_path)
     assert {p.name for p in written} == {"ppl_vs_bits.png", "decode_speed.png", "pareto.png"}

@@ -79,14 +79,17 @@ def _short_generation_cell(gen: dict | None, ref_gen: dict | None) -> str:
     return f"{gen['generation_seconds']:.2f}" + (f" ({ref_s / gen['generation_seconds']:.2f}x)" if ref_s else "")
 
 
-def _domains_note(meta: dict) -> str:
-    """The evaluated text domains, each with what it is (results before domains existed name none)."""
+def _domains_note(meta: dict, rows: list[dict]) -> str:
+    """The evaluated text domains, each with what it is (results before domains existed name none), and the
+    calibration domain of the run's own tuned rows (`tuned:ROW@BITS`) where it has any."""
     domains = meta.get("domains")
     if not domains:
         return ""
     named = "; ".join(f"{name}: {description}" for name, description in domains.items())
-    return (f" Held-out text by domain ({named}); `tuned:ROW@BITS` rows are tuned on the calibration split of "
-            f"{meta['settings']['tune_domain']}.")
+    tuned = any(row["name"].startswith("tuned:") for row in rows)
+    return f" Held-out text by domain ({named})" + (
+        f"; `tuned:ROW@BITS` rows are tuned on the calibration split of {meta['settings']['tune_domain']}."
+        if tuned else ".")
 
 
 def markdown_table(results: dict) -> str:
@@ -139,7 +142,7 @@ def markdown_table(results: dict) -> str:
         "DynamicCache's time over the row's); "
         f"steady-state decode times {meta['settings']['new_tokens']} steps after untimed warm-up "
         "steps (ratio: tokens/s over DynamicCache's). Where the cache's work dominates a step (long contexts, "
-        "large batches), the steady state shows what compression buys." + _domains_note(meta),
+        "large batches), the steady state shows what compression buys." + _domains_note(meta, rows),
     ]
     if pareto_points(results):
         lines += ["", "Pareto (`pareto.png`): a row is on a frontier when no row with as few bits or fewer beats it "
