@@ -65,8 +65,9 @@ COMPILED_DECODE = {
     "hadamard-mixed": (_hadamard_mixed, True),
     "float16-window": (_cast_chains, True),
     "frontier-2bit": (_preset("frontier-2bit"), True),
-    # wider first layers (8-bit codes of 4-bit keys), 6-bit codes of 3-bit keys packed in words after them
-    "frontier-2.5bit-3bit-keys": (_preset("frontier-2.5bit", key_bits=3), True),
+    # wider first layers (8-bit codes of 4-bit keys), 6-bit codes of 3-bit keys packed in words after them, each
+    # chosen under the prompt queries' metric (chunks flushed in the compiled step encode with it)
+    "frontier-2.5bit-3bit-keys-query-metric": (_preset("frontier-2.5bit", key_bits=3, query_metric=True), True),
     "xquant-2bit": (_preset("xquant-2bit"), False),
     "xquant-cl-2bit": (_preset("xquant-cl-2bit"), False),
     "svdq-1.25bit-v4": (_preset("svdq-1.25bit-v4"), False),

@@ -7,7 +7,16 @@ from hypothesis import strategies as st
 
 import torchkv
 import torchkv.transforms as T
-from torchkv.ops import GRIDS, hadamard, higgs_dequantize, higgs_quantize, lloyd_grid, load_grid, nearest
+from torchkv.ops import (
+    GRIDS,
+    hadamard,
+    higgs_dequantize,
+    higgs_quantize,
+    lloyd_grid,
+    load_grid,
+    nearest,
+    nearest_weighted,
+)
 from torchkv.pipeline import COMPILE_OPTIONS
 from torchkv.transforms import Context
 
@@ -91,6 +100,60 @@ def test_nearest_compiled_and_in_blocks_is_brute_force_argmin(d, n):
         expected = dist.argmin(-1)[:, :: 300 // codes.shape[1]]
         mask = clear[:, :: 300 // codes.shape[1]]
         assert torch.equal(codes[mask], expected[mask])
+
+
+def _metric(g: torch.Generator, *shape: int, d: int) -> torch.Tensor:
+    """Random positive semi-definite d×d blocks `[*shape, d, d]`, some of them of rank 1 (queries along one
+    direction)."""
+    a = torch.randn(*shape, d, d, generator=g)
+    rank = torch.randint(1, d + 1, shape, generator=g)[..., None]
+    a = a * (torch.arange(d) < rank)[..., None, :]  # the first `rank` columns
+    return a @ a.transpose(-1, -2)
+
+
+@given(seed=st.integers(0, 10_000), grid_index=st.integers(0, len(GRIDS) - 1))
+def test_nearest_weighted_is_the_brute_force_argmin_of_the_metric(seed, grid_index):
+    """Per block, the chosen point minimises `(u − c)ᵀ M (u − c)`; under the identity it is `nearest`."""
+    d, n = GRIDS[grid_index]
+    grid, g = load_grid(n, d), _gen(seed)
+    u = torch.randn(2, 3000 // d, 5, d, generator=g)  # [B, T, K, d]: more rows than one eager block
+    metric = _metric(g, 2, 1, 5, d=d)
+    diff = u.double()[..., None, :] - grid.double()  # [B, T, K, n, d]
+    dist = torch.einsum("...ni,...ij,...nj->...n", diff, metric.double()[..., None, :, :].squeeze(-3), diff)
+    top2 = dist.topk(2, dim=-1, largest=False).values
+    scale = metric.diagonal(dim1=-2, dim2=-1).sum(-1)  # [B, 1, K]: float32 scores round at about 1e-6 of it
+    clear = top2[..., 1] - top2[..., 0] > 1e-4 * scale  # ties excluded
+    codes = nearest_weighted(u, grid, metric)
+    assert codes.shape == (2, 3000 // d, 5) and torch.equal(codes[clear], dist.argmin(-1)[clear])
+    identity = torch.eye(d).expand(2, 1, 5, d, d)
+    euclid = (u.double()[..., None, :] - grid.double()).square().sum(-1)
+    clear = euclid.topk(2, dim=-1, largest=False).values.diff(dim=-1)[..., 0] > 1e-4
+    assert torch.equal(nearest_weighted(u, grid, identity)[clear], nearest(u, grid)[clear])
+
+
+@given(seed=st.integers(0, 10_000), d_index=st.sampled_from([0, 1, 3]))
+def test_a_query_metric_lowers_the_score_error_and_its_scale_is_the_best_one(seed, d_index):
+    """Codes and scales under the queries' metric: the weighted error `E_q[(q·(x − x̂))²]` is no larger than with
+    Euclidean codes, and no rescaling of the chosen codes lowers it (the refitted scale, before float16 rounding)."""
+    d, n = GRIDS[d_index]
+    g, f = _gen(seed), 64
+    grid, x = load_grid(n, d), torch.randn(2, 40, f, generator=g)
+    q = torch.randn(2, 300, f, generator=g) * torch.linspace(0.05, 3, f)  # anisotropic queries
+    moment = q.transpose(-1, -2) @ q / 300  # [2, F, F]
+    rotated = hadamard(hadamard(moment).transpose(-1, -2))  # H M H
+    blocks = torch.diagonal(rotated.unflatten(-1, (f // d, d)).unflatten(-3, (f // d, d)), dim1=1, dim2=3)
+    metric = blocks.permute(0, 3, 1, 2)[:, None]  # [2, 1, F/d, d, d]
+
+    def error(codes, scale):  # E_q[(q·e)²] under the rotated queries' block-diagonal part, per row
+        e = hadamard(x) - hadamard(higgs_dequantize(codes, scale, grid))
+        blocked = e.unflatten(-1, (f // d, d))
+        return torch.einsum("btki,bkij,btkj->bt", blocked, metric[:, 0], blocked)
+
+    plain = higgs_quantize(x, grid)
+    codes, scale = higgs_quantize(x, grid, metric=metric)
+    assert (error(codes, scale) <= error(*plain) * (1 + 1e-4) + 1e-6).all()
+    for factor in (0.97, 1.03):
+        assert (error(codes, scale) <= error(codes, scale * factor) + 1e-5).all()
 
 
 @pytest.mark.parametrize("span", ["head", "token"])

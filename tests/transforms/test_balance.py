@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import torchkv
 import torchkv.transforms as T
 from torchkv.pipeline import Chain, LayerState
 from torchkv.transforms import Context
@@ -105,6 +106,47 @@ def test_balanced_codes_score_closer_when_queries_weigh_the_small_key_channels(s
         khat = chain.decode(chain.encode(k, own, None), 64, own)
         errors[balanced] = (q @ (khat - k).transpose(-1, -2)).square().mean()
     assert 10 * torch.log10(errors[False] / errors[True]) > 3
+
+
+@given(pads=st.integers(0, 20), seed=st.integers(0, 1000))
+def test_the_query_moment_is_the_balanced_queries_second_moment_over_real_tokens(pads, seed):
+    k, q = _prompt(seed, 1.0)
+    g = torch.Generator().manual_seed(seed)
+    padded_k = torch.cat([1e4 * torch.randn(1, 2, pads, 16, generator=g), k], 2)
+    padded_q = torch.cat([1e4 * torch.randn(1, 4, pads, 16, generator=g), q], 2)
+    valid = torch.arange(pads + 64)[None] >= pads
+    got = T.project("balance", moment=True).prepare(padded_k, Context(dim=16, valid=valid, inputs={"queries": padded_q}))
+    balanced = q.reshape(1, 2, 2 * 64, 16) / got["balance"]  # query heads 2h and 2h+1 read KV head h
+    expected = balanced.transpose(-1, -2) @ balanced / (2 * 64)
+    assert "query_moment" not in T.project("balance").prepare(k, Context(dim=16, inputs={"queries": q}))
+    torch.testing.assert_close(got["query_moment"], expected, rtol=1e-4, atol=1e-5)
+
+
+@given(seed=st.integers(0, 1000))
+def test_codes_chosen_under_the_query_metric_score_closer_for_later_queries(seed):
+    """Queries of low rank (8 directions of falling energy, as trained models' queries concentrate in a few): codes
+    and norms chosen under the prompt queries' second moment cut the 2-bit score error of later queries from the
+    same distribution by more than 0.5 dB (0.9-1.6 dB over five seeds), at the same stored bits."""
+    g = torch.Generator().manual_seed(seed)
+    energy = torch.logspace(0, -3, 64) * (torch.arange(64) < 8)
+    basis = torch.randn(64, 64, generator=g) * energy[:, None]
+    k = torch.randn(1, 1, 256, 64, generator=g)
+    prompt_q, later_q = (torch.randn(1, 2, 256, 64, generator=g) @ basis for _ in range(2))
+    errors = {}
+    for metric in (False, True):
+        chain = Chain([T.project("balance", moment=metric), T.quantize("higgs", bits=2, dim=4, query_metric=metric),
+                       T.pack()])
+        own = LayerState({}, chain.prepare(k, LayerState({}, {}, {"queries": prompt_q}), None), {})
+        khat = chain.decode(chain.encode(k, own, None), 64, own)
+        errors[metric] = (later_q @ (khat - k).transpose(-1, -2)).square().mean()
+    assert 10 * torch.log10(errors[False] / errors[True]) > 0.5
+
+
+def test_a_query_metric_needs_the_moment_prepared_before_it():
+    with pytest.raises(ValueError, match=r"reads \['query_moment'\] prepared by a transform before it"):
+        Chain([T.project("balance"), T.quantize("higgs", bits=2, dim=4, query_metric=True), T.pack()])
+    with pytest.raises(ValueError, match="query_metric=True .* needs balance=True"):
+        torchkv.KVPipeline.from_preset("frontier-2bit", query_metric=True, balance=False)
 
 
 def test_without_queries_it_says_how_to_supply_them():

@@ -69,6 +69,27 @@ def nearest(u: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return torch.cat(codes).reshape(u.shape[:-1])
 
 
+def nearest_weighted(u: torch.Tensor, grid: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest grid point under each block's metric: `argmin_j (u − c_j)ᵀ M (u − c_j)` =
+    `argmax_j (2 (M u)·c_j − c_jᵀ M c_j)`. With M the second moment of the queries that will read `u`, this is the
+    code whose score error `E_q[(q·(u − c))²]` is least (SQuat's aim, error away from the queries, on vector codes).
+
+    Args:
+        u: [..., T, K, d] float (T rows of K blocks).
+        grid: [n, d] float.
+        metric: [..., 1, K, d, d] float, symmetric positive semi-definite, broadcast over the rows.
+
+    Returns:
+        [..., T, K] long. Eager code scores `_EAGER_ROWS` blocks' worth of rows at a time.
+    """
+    g = grid.to(device=u.device, dtype=torch.float32)
+    m = metric.float()
+    bias = -torch.einsum("nd,...de,ne->...n", g, m, g)  # [..., 1, K, n]
+    parts = [u] if torch.compiler.is_compiling() else u.split(max(1, _EAGER_ROWS // u.shape[-2]), dim=-3)
+    codes = [(2 * (m @ part.float()[..., None])[..., 0] @ g.T + bias).argmax(-1) for part in parts]
+    return torch.cat(codes, dim=-2)
+
+
 def _sorted(grid: torch.Tensor) -> torch.Tensor:
     """Rows in lexicographic order of their coordinates (first coordinate most significant)."""
     order = torch.arange(grid.shape[0])
@@ -135,7 +156,8 @@ def _codes_dtype(points: int) -> torch.dtype:
 
 
 def higgs_quantize(
-    x: torch.Tensor, grid: torch.Tensor, block: int | None = None, *, scale_dtype: torch.dtype = torch.float32
+    x: torch.Tensor, grid: torch.Tensor, block: int | None = None, *, scale_dtype: torch.dtype = torch.float32,
+    metric: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HIGGS codes of each row: nearest grid points of `y = √F · H(x)/s`, `s = ‖x‖` (spec §4.2).
 
@@ -143,15 +165,21 @@ def higgs_quantize(
     `higgs_dequantize` of the stored scale inverts exactly this encoding. A zero row gets scale 0 and
     decodes to exactly 0.
 
+    With a `metric` (the second moment of the rotated queries, one d×d block per code), each code is the nearest
+    point under its block's metric (`nearest_weighted`) and the row's scale is refitted under the same metric:
+    `s' = s · Σ_b y_bᵀM_b ĉ_b / Σ_b ĉ_bᵀM_b ĉ_b`, the scale of ĉ with the least score error. This path has no fused
+    CUDA kernel.
+
     Args:
-        x: [..., F] float, F a multiple of the grid dimension d.
+        x: [..., T, F] float, F a multiple of the grid dimension d.
         grid: [n, d] float.
         block: Hadamard block size, a power of two dividing F (default: the largest one).
         scale_dtype: dtype of the returned scale.
+        metric: None, or [..., 1, F/d, d, d] float, broadcast over the T rows.
 
     Returns:
         codes: [..., F/d] uint8 (int16 when n > 256).
-        scale: [..., 1] scale_dtype, ‖x‖ per row.
+        scale: [..., 1] scale_dtype, ‖x‖ per row (refitted with a `metric`).
     """
     f, (n, d) = x.shape[-1], grid.shape
     if f % d:
@@ -162,12 +190,19 @@ def higgs_quantize(
     s = scale.float()
     inv = torch.where(s > 0, math.sqrt(f) / torch.where(s > 0, s, 1.0), 0.0)
     block = block or hadamard_block(f)
-    if triton_higgs_encode.runs_on(x, grid, block):  # rotation and nearest point fused, no [rows, F/d, n] scores
+    if metric is None and triton_higgs_encode.runs_on(x, grid, block):  # rotation and nearest point fused
         flat = triton_higgs_encode.higgs_encode(x.reshape(-1, f), inv.reshape(-1), grid, block)
         return flat.reshape(*x.shape[:-1], f // d), scale
     y = hadamard(x, block) * inv  # [..., F], coordinates ≈ N(0, 1)
-    codes = nearest(y.unflatten(-1, (f // d, d)), grid)  # [..., F/d]
-    return codes.to(_codes_dtype(n)), scale
+    blocks = y.unflatten(-1, (f // d, d))  # [..., F/d, d]
+    if metric is None:
+        return nearest(blocks, grid).to(_codes_dtype(n)), scale
+    codes = nearest_weighted(blocks, grid, metric)  # [..., F/d]
+    c = grid.to(device=y.device, dtype=torch.float32)[codes]  # [..., F/d, d]
+    mc = (metric.float() @ c[..., None])[..., 0]
+    num, den = (blocks * mc).sum((-2, -1))[..., None], (c * mc).sum((-2, -1))[..., None]  # [..., 1]
+    fitted = torch.where((den > 0) & (num > 0), s * num / torch.where(den > 0, den, 1.0), s)
+    return codes.to(_codes_dtype(n)), fitted.clamp(max=torch.finfo(scale_dtype).max).to(scale_dtype)
 
 
 def higgs_dequantize(

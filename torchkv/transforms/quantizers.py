@@ -162,12 +162,15 @@ def higgs_dim(bits: int, dim: int) -> int | None:
 @dataclass(frozen=True, kw_only=True)
 class HiggsConfig(TransformConfig):
     """bits: bits per value; dim: grid dimension d (a grid of 2^(bits·d) points); span: "head" (one scale
-    per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype: scale storage."""
+    per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype: scale storage;
+    query_metric: choose each code and scale under the prompt queries' second moment (`higgs_quantize`'s
+    `metric`), which a `project.balance(moment=True)` before it prepares."""
 
     bits: int = 2
     dim: int = 2
     span: str = "head"
     scale_dtype: str = "float16"
+    query_metric: bool = False
 
     def __post_init__(self):
         if (self.bits, self.dim) not in HIGGS_SHAPES:
@@ -200,6 +203,8 @@ class HiggsQuantize(Transform):
         super().__init__(**config)
         cfg = self.config
         self.grid = load_grid(2 ** (cfg.bits * cfg.dim), cfg.dim)  # [n, d] float32
+        if cfg.query_metric:
+            self.reads_upstream = frozenset({"query_moment"})
 
     @property
     def code_bits(self) -> int:
@@ -217,13 +222,24 @@ class HiggsQuantize(Transform):
         h, f = x.shape[1], x.shape[-1]
         self.out_dim(f)  # d must divide F
         block, dtype = hadamard_block(f), META_DTYPES[cfg.scale_dtype]
+        metric = self._block_metric(ctx, f, block) if cfg.query_metric else None  # [B, H, F/d, d, d]
         if cfg.span == "head":
-            codes, scale = higgs_quantize(x, self.grid_on(x.device), block, scale_dtype=dtype)
+            metric = None if metric is None else metric[:, :, None]
+            codes, scale = higgs_quantize(x, self.grid_on(x.device), block, scale_dtype=dtype, metric=metric)
             return codes, {"scale": scale}
         rows = x.transpose(1, 2).flatten(2)  # [B, T, H·F]
-        codes, scale = higgs_quantize(rows, self.grid_on(x.device), block, scale_dtype=dtype)
+        metric = None if metric is None else metric.flatten(1, 2)[:, None]  # [B, 1, H·F/d, d, d]
+        codes, scale = higgs_quantize(rows, self.grid_on(x.device), block, scale_dtype=dtype, metric=metric)
         codes = codes.unflatten(-1, (h, f // cfg.dim)).transpose(1, 2)  # [B, T, H·F/d] -> [B, H, T, F/d]
         return codes.contiguous(), {"scale": scale[:, None]}  # [B, 1, T, 1]; contiguous like every stored chunk
+
+    def _block_metric(self, ctx: Context, f: int, block: int) -> torch.Tensor:
+        """The d×d diagonal blocks of the prompt queries' second moment in the codes' rotated domain, `H M H`:
+        `[B, H, F/d, d, d]`."""
+        d = self.config.dim
+        rotated = hadamard(hadamard(ctx.upstream["query_moment"].float(), block).transpose(-1, -2), block)
+        blocks = rotated.unflatten(-1, (f // d, d)).unflatten(-3, (f // d, d))  # [B, H, K, d, K, d]
+        return torch.diagonal(blocks, dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # [B, H, K, d, d]
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         block = hadamard_block(ctx.dim)
