@@ -19,6 +19,15 @@ def _prompt(seed: int, spread: float, tokens: int = 64):
     return k, q
 
 
+def _padded(k, q, pads: int, seed: int) -> tuple[torch.Tensor, Context]:
+    """The prompt after `pads` left pads of huge values: (keys, the context with its queries and mask)."""
+    g = torch.Generator().manual_seed(seed)
+    padded_k = torch.cat([1e4 * torch.randn(1, 2, pads, 16, generator=g), k], 2)
+    padded_q = torch.cat([1e4 * torch.randn(1, 4, pads, 16, generator=g), q], 2)
+    valid = torch.arange(pads + 64)[None] >= pads
+    return padded_k, Context(dim=16, valid=valid, inputs={"queries": padded_q})
+
+
 def _pairs(x):
     """`[..., 16]` -> each rotary pair's (c, c + 8) mean, repeated on both channels."""
     pooled = (x[..., :8] + x[..., 8:]) / 2
@@ -80,13 +89,10 @@ def test_the_scales_commute_with_rope(seed):
 @given(pads=st.integers(1, 20), seed=st.integers(0, 1000))
 def test_padding_is_ignored(pads, seed):
     k, q = _prompt(seed, 1.0)
-    g = torch.Generator().manual_seed(seed)
-    padded_k = torch.cat([1e4 * torch.randn(1, 2, pads, 16, generator=g), k], 2)
-    padded_q = torch.cat([1e4 * torch.randn(1, 4, pads, 16, generator=g), q], 2)
-    valid = torch.arange(pads + 64)[None] >= pads
+    padded = _padded(k, q, pads, seed)
     balance = T.project("balance")
     expected = balance.prepare(k, Context(dim=16, inputs={"queries": q}))["balance"]
-    got = balance.prepare(padded_k, Context(dim=16, valid=valid, inputs={"queries": padded_q}))["balance"]
+    got = balance.prepare(padded[0], padded[1])["balance"]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -111,11 +117,8 @@ def test_balanced_codes_score_closer_when_queries_weigh_the_small_key_channels(s
 @given(pads=st.integers(0, 20), seed=st.integers(0, 1000))
 def test_the_query_moment_is_the_balanced_queries_second_moment_over_real_tokens(pads, seed):
     k, q = _prompt(seed, 1.0)
-    g = torch.Generator().manual_seed(seed)
-    padded_k = torch.cat([1e4 * torch.randn(1, 2, pads, 16, generator=g), k], 2)
-    padded_q = torch.cat([1e4 * torch.randn(1, 4, pads, 16, generator=g), q], 2)
-    valid = torch.arange(pads + 64)[None] >= pads
-    got = T.project("balance", moment=True).prepare(padded_k, Context(dim=16, valid=valid, inputs={"queries": padded_q}))
+    padded = _padded(k, q, pads, seed)
+    got = T.project("balance", moment=True).prepare(*padded)
     balanced = q.reshape(1, 2, 2 * 64, 16) / got["balance"]  # query heads 2h and 2h+1 read KV head h
     expected = balanced.transpose(-1, -2) @ balanced / (2 * 64)
     assert "query_moment" not in T.project("balance").prepare(k, Context(dim=16, inputs={"queries": q}))
