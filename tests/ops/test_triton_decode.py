@@ -266,6 +266,8 @@ def test_explain_names_the_kernel_or_why_not():
     assert "KIVI's layout" in torchkv.KVPipeline.from_preset("kivi-2bit").explain()
     assert "grid-coded keys" in torchkv.KVPipeline.from_preset("frontier-2bit").explain()
     assert "frontier's" in torchkv.KVPipeline.from_preset("frontier-2bit", values="higgs").explain()  # grid values
+    assert "fused Triton encoder" not in torchkv.KVPipeline.from_preset("frontier-2bit").explain()
+    assert "not the fused Triton encoder" in torchkv.KVPipeline.from_preset("frontier-2bit:query_metric=True").explain()
 
 
 @pytest.mark.parametrize("block, dtype", [(64, torch.float32), (128, torch.float32), (8, torch.float32),

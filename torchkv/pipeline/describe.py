@@ -23,6 +23,9 @@ def explain(pipeline, num_layers: int | None = None) -> str:
         parts.append({"kivi": "on CUDA the Triton kernel over KIVI's layout",
                       "grid": "on CUDA the Triton kernel over grid-coded keys"}.get(kernel)
                      or f"on CUDA no GPU kernel ({refusal}), Inductor's reductions")
+        if any(getattr(t.config, "query_metric", False) for t in pipe.keys.transforms):
+            parts.append("keys encoded by Inductor, not the fused Triton encoder (codes chosen under the queries' "
+                         "metric)")
         return "; ".join(parts)
 
     last = num_layers or max(pipeline.layer_chains, default=-1) + 2
