@@ -11,7 +11,9 @@ are Hadamard-rotated and quantized per token and head with the MSE-optimal unifo
 `wide_bits` (as AQUA-KV and XQuant-CL widen their first layers). Centring keys by their channels' prompt
 medians first (`center`, `predict.center`) is off: on SmolLM2 it gains 0.3 points of perplexity at 2K but
 loses 0.7 at 8K and a quarter of the pass-key answers at 4K, because a rotary pair that turns over the context
-has no offset that the prompt's median could remove. The measurements behind each choice are in
+has no offset that the prompt's median could remove. Choosing key codes under the prompt queries' metric
+(`query_metric`) is off too: at 2K / 8K in prompt mode it gains 1.4 / 0.7 points on wiki and loses 0.9 / 3.0 on
+code (`benchmarks/results/domains/ablations/`). The measurements behind each choice are in
 `benchmarks/results/frontier/`.
 """
 
