@@ -158,3 +158,12 @@ def test_without_queries_it_says_how_to_supply_them():
     with pytest.raises(ValueError, match="do not match keys"):
         three_heads = {"queries": torch.randn(1, 3, 8, 16)}  # not a multiple of the 2 KV heads
         T.project("balance").prepare(torch.randn(1, 2, 8, 16), Context(dim=16, inputs=three_heads))
+
+
+def test_the_query_metric_options_are_saved_only_when_set():
+    """Folders saved before the options existed save again unchanged; a folder that sets them records them."""
+    assert "query_metric" not in T.quantize("higgs").spec()["config"]
+    assert "moment" not in T.project("balance").spec()["config"]
+    spec = T.quantize("higgs", query_metric=True).spec()
+    assert spec["config"]["query_metric"] is True and T.quantize("higgs", **spec["config"]).config.query_metric
+    assert T.project("balance", moment=True).spec()["config"] == {"moment": True}

@@ -56,6 +56,10 @@ class ProjectionWeights:
     k_norm_eps: float = 0.0
 
 
+#: field metadata of a transform option added after format 1 of saved folders (see `Transform.spec`)
+LATER_OPTION = "later_option"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransformConfig:
     """Base of every transform's frozen, keyword-only configuration."""
@@ -186,8 +190,12 @@ class Transform:
         raise NotImplementedError(f"{self.kind}.{self.name} does not map weighted sums back")
 
     def spec(self) -> dict[str, Any]:
-        """JSON-serialisable description, what `save_pretrained` writes."""
-        return {"kind": self.kind, "name": self.name, "config": dataclasses.asdict(self.config)}
+        """JSON-serialisable description, what `save_pretrained` writes. An option added after format 1
+        (`LATER_OPTION` metadata) is written only when it differs from its default, so folders saved before it
+        existed save again unchanged."""
+        config = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                  if not (f.metadata.get(LATER_OPTION) and getattr(self.config, f.name) == f.default)}
+        return {"kind": self.kind, "name": self.name, "config": config}
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(self.config).items())

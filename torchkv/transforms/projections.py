@@ -1,12 +1,12 @@
 """Project transforms that are not tied to one method: diagonal maps of the feature axis."""
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from torchkv.registry import register_transform
-from torchkv.transforms.base import Context, Transform, TransformConfig
+from torchkv.transforms.base import LATER_OPTION, Context, Transform, TransformConfig
 
 
 def _channel_rms(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -45,7 +45,7 @@ class BalanceConfig(TransformConfig):
     """moment: also prepare the balanced prompt queries' second moment, which a `quantize.higgs` with
     `query_metric=True` after it chooses its codes under."""
 
-    moment: bool = False
+    moment: bool = field(default=False, metadata={LATER_OPTION: True})
 
 
 @register_transform("project", "balance")

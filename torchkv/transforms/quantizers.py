@@ -3,7 +3,7 @@ dtype casts."""
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,7 +29,7 @@ from torchkv.ops.decode import (
     shared_weighted_sum,
 )
 from torchkv.registry import register_transform
-from torchkv.transforms.base import Context, Transform, TransformConfig
+from torchkv.transforms.base import LATER_OPTION, Context, Transform, TransformConfig
 
 AXES = ("token", "channel")
 SPANS = ("head", "token")
@@ -170,7 +170,7 @@ class HiggsConfig(TransformConfig):
     dim: int = 2
     span: str = "head"
     scale_dtype: str = "float16"
-    query_metric: bool = False
+    query_metric: bool = field(default=False, metadata={LATER_OPTION: True})
 
     def __post_init__(self):
         if (self.bits, self.dim) not in HIGGS_SHAPES:
