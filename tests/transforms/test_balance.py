@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import torchkv
 import torchkv.transforms as T
+from torchkv.ops import hadamard
 from torchkv.pipeline import Chain, LayerState
 from torchkv.transforms import Context
 
@@ -114,15 +115,19 @@ def test_balanced_codes_score_closer_when_queries_weigh_the_small_key_channels(s
     assert 10 * torch.log10(errors[False] / errors[True]) > 3
 
 
-@given(pads=st.integers(0, 20), seed=st.integers(0, 1000))
-def test_the_query_moment_is_the_balanced_queries_second_moment_over_real_tokens(pads, seed):
+@given(pads=st.integers(0, 20), seed=st.integers(0, 1000), span=st.sampled_from(["head", "token"]))
+def test_the_query_metric_is_prepared_once_from_the_balanced_queries_over_real_tokens(pads, seed, span):
+    """HIGGS prepares the d×d diagonal blocks of `H M H`, M the balanced prompt queries' second moment over real
+    tokens, and no full F×F moment is kept."""
     k, q = _prompt(seed, 1.0)
-    padded = _padded(k, q, pads, seed)
-    got = T.project("balance", moment=True).prepare(*padded)
-    balanced = q.reshape(1, 2, 2 * 64, 16) / got["balance"]  # query heads 2h and 2h+1 read KV head h
-    expected = balanced.transpose(-1, -2) @ balanced / (2 * 64)
-    assert "query_moment" not in T.project("balance").prepare(k, Context(dim=16, inputs={"queries": q}))
-    torch.testing.assert_close(got["query_moment"], expected, rtol=1e-4, atol=1e-5)
+    padded_k, ctx = _padded(k, q, pads, seed)
+    chain = Chain([T.project("balance"), T.quantize("higgs", bits=2, dim=4, span=span, query_metric=True), T.pack()])
+    prepared = chain.prepare(padded_k, LayerState({}, {}, ctx.inputs), ctx.valid)
+    assert sorted(prepared) == ["0.balance", "1.block_metric"]
+    balanced = q.reshape(1, 2, 2 * 64, 16) / prepared["0.balance"]  # query heads 2h and 2h+1 read KV head h
+    rotated = hadamard(hadamard(balanced.transpose(-1, -2) @ balanced / (2 * 64)).transpose(-1, -2))  # [1, 2, 16, 16]
+    expected = torch.stack([rotated[..., 4 * j : 4 * j + 4, 4 * j : 4 * j + 4] for j in range(4)], 2)
+    torch.testing.assert_close(prepared["1.block_metric"], expected, rtol=1e-4, atol=1e-5)
 
 
 @given(seed=st.integers(0, 1000))
@@ -137,17 +142,16 @@ def test_codes_chosen_under_the_query_metric_score_closer_for_later_queries(seed
     prompt_q, later_q = (torch.randn(1, 2, 256, 64, generator=g) @ basis for _ in range(2))
     errors = {}
     for metric in (False, True):
-        chain = Chain([T.project("balance", moment=metric), T.quantize("higgs", bits=2, dim=4, query_metric=metric),
-                       T.pack()])
+        chain = Chain([T.project("balance"), T.quantize("higgs", bits=2, dim=4, query_metric=metric), T.pack()])
         own = LayerState({}, chain.prepare(k, LayerState({}, {}, {"queries": prompt_q}), None), {})
         khat = chain.decode(chain.encode(k, own, None), 64, own)
         errors[metric] = (later_q @ (khat - k).transpose(-1, -2)).square().mean()
     assert 10 * torch.log10(errors[False] / errors[True]) > 0.5
 
 
-def test_a_query_metric_needs_the_moment_prepared_before_it():
-    with pytest.raises(ValueError, match=r"reads \['query_moment'\] prepared by a transform before it"):
-        Chain([T.project("balance"), T.quantize("higgs", bits=2, dim=4, query_metric=True), T.pack()])
+def test_a_query_metric_needs_the_balance_before_it():
+    with pytest.raises(ValueError, match=r"reads \['balance'\] prepared by a transform before it"):
+        Chain([T.quantize("higgs", bits=2, dim=4, query_metric=True), T.pack()])
     with pytest.raises(ValueError, match="query_metric=True .* needs balance=True"):
         torchkv.KVPipeline.from_preset("frontier-2bit", query_metric=True, balance=False)
 
@@ -160,10 +164,8 @@ def test_without_queries_it_says_how_to_supply_them():
         T.project("balance").prepare(torch.randn(1, 2, 8, 16), Context(dim=16, inputs=three_heads))
 
 
-def test_the_query_metric_options_are_saved_only_when_set():
-    """Folders saved before the options existed save again unchanged; a folder that sets them records them."""
+def test_the_query_metric_option_is_saved_only_when_set():
+    """Folders saved before the option existed save again unchanged; a folder that sets it records it."""
     assert "query_metric" not in T.quantize("higgs").spec()["config"]
-    assert "moment" not in T.project("balance").spec()["config"]
     spec = T.quantize("higgs", query_metric=True).spec()
     assert spec["config"]["query_metric"] is True and T.quantize("higgs", **spec["config"]).config.query_metric
-    assert T.project("balance", moment=True).spec()["config"] == {"moment": True}

@@ -38,7 +38,7 @@ def _keys(bits: int, dim: int, span: str, center: bool, balance: bool, scale_dty
     dim = higgs_dim(bits, dim) or dim  # no grid has `bits`: the quantizer's error lists the shipped ones
     higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype, query_metric=query_metric)
     return [*([T.predict("center")] if center else []),
-            *([T.project("balance", moment=query_metric)] if balance else []), higgs, T.pack()]
+            *([T.project("balance")] if balance else []), higgs, T.pack()]
 
 
 def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str) -> list:

@@ -1,12 +1,11 @@
 """Project transforms that are not tied to one method: diagonal maps of the feature axis."""
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from torchkv.registry import register_transform
-from torchkv.transforms.base import LATER_OPTION, Context, Transform, TransformConfig
+from torchkv.transforms.base import Context, Transform
 
 
 def _channel_rms(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -30,24 +29,6 @@ def _pair_rms(rms: torch.Tensor) -> torch.Tensor:
     return torch.cat([pooled, pooled], -1)
 
 
-def _second_moment(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """`x: [B, H, R, T, F]` -> `E[x xᵀ]` over rows R and valid tokens T: `[B, H, F, F]` float32."""
-    b, h, r, t, f = x.shape
-    rows = x.float().flatten(2, 3)  # [B, H, R·T, F]
-    if valid is not None:
-        rows = rows * valid[:, None, None, :].expand(b, h, r, t).reshape(b, h, r * t, 1)
-    count = (t if valid is None else valid.sum(1).clamp_min(1)) * r
-    return rows.transpose(-1, -2) @ rows / torch.as_tensor(count, dtype=torch.float32).reshape(-1, 1, 1, 1)
-
-
-@dataclass(frozen=True, kw_only=True)
-class BalanceConfig(TransformConfig):
-    """moment: also prepare the balanced prompt queries' second moment, which a `quantize.higgs` with
-    `query_metric=True` after it chooses its codes under."""
-
-    moment: bool = field(default=False, metadata={LATER_OPTION: True})
-
-
 @register_transform("project", "balance")
 class Balance(Transform):
     """Scale key channel c by `w_c = (rms q_c / rms k_c)^½` over the prompt and queries by `1/w`: scores are
@@ -61,21 +42,14 @@ class Balance(Transform):
     energy does not, and a scale shared by the pair commutes with RoPE.
 
     prepare: keys `x: [B, H, T, F]` and the prompt's queries `[B, Hq, T, F]` (query head i reads KV head
-    i // (Hq/H); pads excluded) -> "balance" `w` `[B, H, 1, F]` float32 and, with `moment`, "query_moment"
-    `E[(q/w)(q/w)ᵀ]` `[B, H, F, F]` float32.
+    i // (Hq/H); pads excluded) -> "balance" `w` `[B, H, 1, F]` float32.
     encode: `x ⊙ w`; decode: `y / w`; decode attention reads the scaled form through `map_query` `q / w`.
     """
 
-    Config = BalanceConfig
     needs_prepare = True
     requires = frozenset({"queries"})
     prepares = frozenset({"balance"})
     linear = True
-
-    def __init__(self, **config):
-        super().__init__(**config)
-        if self.config.moment:
-            self.prepares = frozenset({"balance", "query_moment"})
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
         if x.shape[-1] % 2:
@@ -85,10 +59,7 @@ class Balance(Transform):
         k_rms = _pair_rms(_channel_rms(x[:, :, None], ctx.valid))
         floor = 1e-6 * torch.maximum(q_rms.amax(-1, keepdim=True), k_rms.amax(-1, keepdim=True)).clamp_min(1e-30)
         log_w = 0.5 * (q_rms.clamp_min(floor).log() - k_rms.clamp_min(floor).log())
-        w = (log_w - log_w.mean(-1, keepdim=True)).exp()
-        if not self.config.moment:
-            return {"balance": w}
-        return {"balance": w, "query_moment": _second_moment(queries / w[:, :, None], ctx.valid)}
+        return {"balance": (log_w - log_w.mean(-1, keepdim=True)).exp()}
 
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return x.float() * ctx.prepared["balance"], {}

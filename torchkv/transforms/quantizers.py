@@ -159,12 +159,22 @@ def higgs_dim(bits: int, dim: int) -> int | None:
     return max((d for b, d in HIGGS_SHAPES if b == bits), default=None)
 
 
+def _second_moment(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """`x: [B, H, R, T, F]` -> `E[x xᵀ]` over rows R and valid tokens T: `[B, H, F, F]` float32."""
+    b, h, r, t, f = x.shape
+    rows = x.float().flatten(2, 3)  # [B, H, R·T, F]
+    if valid is not None:
+        rows = rows * valid[:, None, None, :].expand(b, h, r, t).reshape(b, h, r * t, 1)
+    count = (t if valid is None else valid.sum(1).clamp_min(1)) * r
+    return rows.transpose(-1, -2) @ rows / torch.as_tensor(count, dtype=torch.float32).reshape(-1, 1, 1, 1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class HiggsConfig(TransformConfig):
     """bits: bits per value; dim: grid dimension d (a grid of 2^(bits·d) points); span: "head" (one scale
     per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype: scale storage;
-    query_metric: choose each code and scale under the prompt queries' second moment (`higgs_quantize`'s
-    `metric`), which a `project.balance(moment=True)` before it prepares."""
+    query_metric: choose each code and scale under the second moment of the prompt's queries as a
+    `project.balance` before it maps them (`higgs_quantize`'s `metric`)."""
 
     bits: int = 2
     dim: int = 2
@@ -203,8 +213,9 @@ class HiggsQuantize(Transform):
         super().__init__(**config)
         cfg = self.config
         self.grid = load_grid(2 ** (cfg.bits * cfg.dim), cfg.dim)  # [n, d] float32
-        if cfg.query_metric:
-            self.reads_upstream = frozenset({"query_moment"})
+        if cfg.query_metric:  # the metric is prepared once per sequence from the prompt's queries
+            self.needs_prepare, self.requires = True, frozenset({"queries"})
+            self.reads_upstream, self.prepares = frozenset({"balance"}), frozenset({"block_metric"})
 
     @property
     def code_bits(self) -> int:
@@ -222,7 +233,7 @@ class HiggsQuantize(Transform):
         h, f = x.shape[1], x.shape[-1]
         self.out_dim(f)  # d must divide F
         block, dtype = hadamard_block(f), META_DTYPES[cfg.scale_dtype]
-        metric = self._block_metric(ctx, f, block) if cfg.query_metric else None  # [B, H, F/d, d, d]
+        metric = ctx.prepared["block_metric"] if cfg.query_metric else None  # [B, H, F/d, d, d]
         if cfg.span == "head":
             metric = None if metric is None else metric[:, :, None]
             codes, scale = higgs_quantize(x, self.grid_on(x.device), block, scale_dtype=dtype, metric=metric)
@@ -233,13 +244,18 @@ class HiggsQuantize(Transform):
         codes = codes.unflatten(-1, (h, f // cfg.dim)).transpose(1, 2)  # [B, T, H·F/d] -> [B, H, T, F/d]
         return codes.contiguous(), {"scale": scale[:, None]}  # [B, 1, T, 1]; contiguous like every stored chunk
 
-    def _block_metric(self, ctx: Context, f: int, block: int) -> torch.Tensor:
-        """The d×d diagonal blocks of the prompt queries' second moment in the codes' rotated domain, `H M H`:
-        `[B, H, F/d, d, d]`."""
-        d = self.config.dim
-        rotated = hadamard(hadamard(ctx.upstream["query_moment"].float(), block).transpose(-1, -2), block)
+    def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
+        """With `query_metric`: "block_metric", the d×d diagonal blocks of `H M H`, M = `E[(q/w)(q/w)ᵀ]` the second
+        moment of the prompt's queries (pads excluded) divided by the balance `w` before this quantizer, in the
+        codes' rotated domain: `[B, H, F/d, d, d]` float32."""
+        if not self.config.query_metric:
+            return {}
+        f, d = x.shape[-1], self.config.dim
+        block = hadamard_block(f)
+        moment = _second_moment(self.prompt_queries(x, ctx) / ctx.upstream["balance"][:, :, None], ctx.valid)
+        rotated = hadamard(hadamard(moment, block).transpose(-1, -2), block)  # H M H, [B, H, F, F]
         blocks = rotated.unflatten(-1, (f // d, d)).unflatten(-3, (f // d, d))  # [B, H, K, d, K, d]
-        return torch.diagonal(blocks, dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # [B, H, K, d, d]
+        return {"block_metric": torch.diagonal(blocks, dim1=2, dim2=4).permute(0, 1, 4, 2, 3).contiguous()}
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         block = hadamard_block(ctx.dim)
