@@ -5,7 +5,9 @@ value width, not each layer's, lower the estimated KL at the same stored bits?
 also split by KV head: `½ (g_h·δ_h)²` per head h, besides the layer's `½ (Σ_h g_h·δ_h)²`. Both allocations run at
 the same budget (`fitting.tuning.allocate`) and are priced by the per-head sums, which drop the cross terms
 between heads; the layer allocation is also priced by its own cost, which keeps them, to show what dropping
-them changes. Nothing here builds a per-head pipeline: the store has one width per layer and side.
+them changes. Finer choices fit the measurement's noise more, so the calibration windows are measured in two
+disjoint halves, and each allocation is also made on one half and priced on the other (both ways, averaged).
+Nothing here builds a per-head pipeline: the store has one width per layer and side.
 
     python benchmarks/per_head_costs.py --tokens 16384 --out benchmarks/results/domains/ablations/per_head_costs.json
 """
@@ -51,6 +53,20 @@ def measure_per_head(pipe, model, ids) -> tuple[sensitivity.Sensitivity, list[di
                        for side in ("k", "v")} for i in range(len(measured.costs))]
 
 
+def _head_costs(heads, items, n_heads: int) -> list[list[float]]:
+    """Per (layer, side, head) item, each candidate's cost."""
+    return [[float(c[h]) for c in heads[i][side]] for i, side in items for h in range(n_heads)]
+
+
+def _priced(choice: list[int], costs: list[list[float]]) -> float:
+    return sum(c[j] for c, j in zip(costs, choice))
+
+
+def _per_head(choice: list[int], n_heads: int) -> list[int]:
+    """A per-(layer, side) choice repeated for each of its heads."""
+    return [j for j in choice for _ in range(n_heads)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="frontier-2bit")
@@ -64,37 +80,47 @@ def main(argv: list[str] | None = None) -> None:
     pipe = torchkv.KVPipeline.from_preset(args.preset).for_model(model)
     pipe.compile = False
     ids = token_windows(tokenizer, [t for _, t in split_articles("calibration", args.domain)], args.seq_len, args.tokens)
-    measured, heads = measure_per_head(pipe, model, ids)
-    layers = range(len(measured.costs))
-    items = [(i, side) for i in layers for side in ("k", "v")]
+    halves = [measure_per_head(pipe, model, part) for part in ids.chunk(2)]  # disjoint windows
+    measured = halves[0][0]
+    items = [(i, side) for i in range(len(measured.costs)) for side in ("k", "v")]
     bits = [[c.bits for c in measured.candidates[i][side]] for i, side in items]
-    n_heads = heads[0]["k"][0].numel()
+    n_heads = halves[0][1][0]["k"][0].numel()
+    head_bits = [b for b in bits for _ in range(n_heads)]
+    layer_costs = [[[m.costs[i][side][j] for j in range(len(bits[n]))] for n, (i, side) in enumerate(items)]
+                   for m, _ in halves]
+    head_costs = [_head_costs(heads, items, n_heads) for _, heads in halves]
+    whole_layer = [[(a + b) / 2 for a, b in zip(*pair)] for pair in zip(*layer_costs)]  # equal halves: the mean
+    whole_head = [[(a + b) / 2 for a, b in zip(*pair)] for pair in zip(*head_costs)]
     rows = []
     for budget in (float(b) for b in args.budgets.split(",")):
-        by_layer = allocate(bits, [measured.costs[i][side] for i, side in items], budget)
-        head_items = [(i, side, h) for i, side in items for h in range(n_heads)]
-        head_bits = [b for b in bits for _ in range(n_heads)]
-        head_costs = [[float(c[h]) for c in heads[i][side]] for i, side, h in head_items]
-        by_head = allocate(head_bits, head_costs, budget)
-        layer_choice_heads = [j for j in by_layer for _ in range(n_heads)]
+        by_layer = allocate(bits, whole_layer, budget)
+        by_head = allocate(head_bits, whole_head, budget)
+        chosen = collections.defaultdict(list)
+        for (i, side), j in zip([it for it in items for _ in range(n_heads)], by_head):
+            chosen[f"{i}.{side}"].append(measured.candidates[i][side][j].width)
+        held_out = {"layer_widths": 0.0, "head_widths": 0.0}
+        for fit, test in ((0, 1), (1, 0)):  # allocate on one half, price on the other, by per-head sums
+            held_out["layer_widths"] += _priced(_per_head(allocate(bits, layer_costs[fit], budget), n_heads), head_costs[test]) / 2
+            held_out["head_widths"] += _priced(allocate(head_bits, head_costs[fit], budget), head_costs[test]) / 2
         row = {
             "budget": budget,
             "layer_widths": {"bits": sum(b[j] for b, j in zip(bits, by_layer)) / len(items),
-                             "kl_layer_cost": sum(measured.costs[i][s][j] for (i, s), j in zip(items, by_layer)),
-                             "kl_head_sums": sum(c[j] for c, j in zip(head_costs, layer_choice_heads))},
-            "head_widths": {"bits": sum(b[j] for b, j in zip(head_bits, by_head)) / len(head_items),
-                            "kl_head_sums": sum(c[j] for c, j in zip(head_costs, by_head))},
+                             "kl_layer_cost": _priced(by_layer, whole_layer),
+                             "kl_head_sums": _priced(_per_head(by_layer, n_heads), whole_head),
+                             "kl_head_sums_held_out": held_out["layer_widths"]},
+            "head_widths": {"bits": sum(b[j] for b, j in zip(head_bits, by_head)) / len(head_bits),
+                            "kl_head_sums": _priced(by_head, whole_head),
+                            "kl_head_sums_held_out": held_out["head_widths"],
+                            "widths_where_heads_differ": {k: v for k, v in chosen.items() if len(set(v)) > 1}},
         }
-        chosen = collections.defaultdict(list)
-        for (i, s, _), j in zip(head_items, by_head):
-            chosen[f"{i}.{s}"].append(measured.candidates[i][s][j].width)
-        row["head_widths"]["widths_where_heads_differ"] = {k: v for k, v in chosen.items() if len(set(v)) > 1}
         rows.append(row)
         print(row, flush=True)
-    share = [max(float(c) for c in heads[i][s][0]) / max(float(heads[i][s][0].sum()), 1e-30) for i, s in items]
-    write_benchmark(args.out, "per_head_costs", rows, preset=args.preset, domain=args.domain, tokens=measured.tokens,
-                    seq_len=args.seq_len, kv_heads=n_heads, seconds=measured.seconds,
-                    largest_head_share_of_cheapest_cost=share)
+    cheapest = [c[0] for c in whole_head]
+    share = [max(cheapest[n * n_heads:(n + 1) * n_heads]) / max(sum(cheapest[n * n_heads:(n + 1) * n_heads]), 1e-30)
+             for n in range(len(items))]
+    write_benchmark(args.out, "per_head_costs", rows, preset=args.preset, domain=args.domain,
+                    tokens=sum(m.tokens for m, _ in halves), seq_len=args.seq_len, kv_heads=n_heads,
+                    seconds=sum(m.seconds for m, _ in halves), largest_head_share_of_cheapest_cost=share)
 
 
 if __name__ == "__main__":
