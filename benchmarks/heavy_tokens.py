@@ -46,10 +46,11 @@ def observed_attention(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torc
     return p.mean(2).unflatten(1, (h, g)).mean(2)
 
 
-def _first_order_kl(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """`½ Var_p(e)` per query: p, e `[Hq, Q, T]` -> `[Hq, Q]`."""
+def _kl_terms(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Each token's term of the first-order KL `½ Var_p(e)` of each query: p, e `[Hq, Q, T]` -> `[Hq, Q, T]`
+    (summed over T: the KL per query)."""
     mean = (p * e).sum(-1, keepdim=True)
-    return 0.5 * (p * (e - mean) ** 2).sum(-1)
+    return 0.5 * p * (e - mean) ** 2
 
 
 @torch.no_grad()
@@ -77,9 +78,9 @@ def kl(args) -> None:
         visible = torch.arange(args.tokens)[None] <= later[:, None]
         p = torch.softmax((scaling * ql @ k[0].repeat_interleave(g, 0).transpose(-1, -2)).masked_fill(~visible, -torch.inf), -1)
         e = scaling * ql @ delta[0].repeat_interleave(g, 0).transpose(-1, -2)  # [Hq, Q, T]
-        base = _first_order_kl(p, e)
-        mean = (p * e).sum(-1, keepdim=True)
-        share = (0.5 * p * (e - mean) ** 2).sum(1).unflatten(0, (h, g)).sum(1)  # [H, T]
+        terms = _kl_terms(p, e)
+        base = terms.sum(-1)  # [Hq, Q]
+        share = terms.sum(1).unflatten(0, (h, g)).sum(1)  # [H, T]
         criteria = {
             "code_error": (delta[0] * w[0]).norm(dim=-1), "key_norm": (k[0] * w[0]).norm(dim=-1),
             "observed_attention": observed_attention(q[:, :, :prompt], k[:, :, :prompt], scaling)[0], "oracle": share,
@@ -90,7 +91,7 @@ def kl(args) -> None:
             for fraction in FRACTIONS:
                 top = start + score[:, start:end].topk(max(1, round(fraction * (end - start))), -1).indices  # [H, n]
                 kept = torch.ones(h, args.tokens).scatter(1, top, 0.0).repeat_interleave(g, 0)[:, None]
-                row[f"{name}@{fraction}"] = float(_first_order_kl(p, e * kept).mean() / base.mean())
+                row[f"{name}@{fraction}"] = float(_kl_terms(p, e * kept).sum(-1).mean() / base.mean())
         rows.append(row)
         print(json.dumps(row), flush=True)
     total = sum(r["kl"] for r in rows)
@@ -110,9 +111,10 @@ def simulated_eval(args) -> None:
     def append_and_pick(self, k, v, valid=None, positions=None, inputs=None, attention=None):
         first = self.length == 0
         append(self, k, v, valid, positions, inputs, attention)
-        if first:
-            self.heavy = None
-        if first and inputs and "queries" in inputs and self.n_encoded:
+        if not first:
+            return
+        self.heavy = None
+        if inputs and "queries" in inputs and self.n_encoded:
             start, n = self.n_sinks, self.n_encoded
             score = observed_attention(inputs["queries"], k, k.shape[-1] ** -0.5)[:, :, start : start + n]
             at = (start + score.topk(max(1, round(args.frac * n)), -1).indices)[..., None].expand(-1, -1, -1, k.shape[-1])
