@@ -2,12 +2,12 @@
 value width, not each layer's, lower the estimated KL at the same stored bits?
 
 `torchkv tune`'s measurement (`fitting.tuning.sensitivity`) on the calibration split, with each candidate's cost
-also split by KV head: `½ (g_h·δ_h)²` per head h, besides the layer's `½ (Σ_h g_h·δ_h)²`. Both allocations run at
-the same budget (`fitting.tuning.allocate`) and are priced by the per-head sums, which drop the cross terms
-between heads; the layer allocation is also priced by its own cost, which keeps them, to show what dropping
-them changes. Finer choices fit the measurement's noise more, so the calibration windows are measured in two
+also split by KV head (`Sensitivity.head_costs`): `½ (g_h·δ_h)²` per head h, besides the layer's
+`½ (Σ_h g_h·δ_h)²`. Both allocations run at the same budget (`fitting.tuning.allocate`) and are priced by the
+per-head sums, which drop the cross terms between heads; the layer allocation is also priced by its own cost,
+which keeps them, to show what dropping them changes. Finer choices fit the measurement's noise more, so the calibration windows are measured in two
 disjoint halves, and each allocation is also made on one half and priced on the other (both ways, averaged).
-Nothing here builds a per-head pipeline: the store has one width per layer and side.
+`torchkv tune --per-head` builds the per-head allocation (`HeadGroups`).
 
     python benchmarks/per_head_costs.py --tokens 16384 --out benchmarks/results/domains/ablations/per_head_costs.json
 """
@@ -15,42 +15,12 @@ Nothing here builds a per-head pipeline: the store has one width per layer and s
 import argparse
 import collections
 
-import torch
-
 import torchkv
 from torchkv.corpora import split_articles
 from torchkv.eval.runner import write_benchmark
 from torchkv.fitting.calibrate import token_windows
 from torchkv.fitting.tuning.allocate import allocate
 from torchkv.fitting.tuning import sensitivity
-
-
-def measure_per_head(pipe, model, ids) -> tuple[sensitivity.Sensitivity, list[dict[str, list[torch.Tensor]]]]:
-    """`sensitivity.measure`, and per layer, side and candidate the per-head costs `[H]` (nats per token)."""
-    per_head: dict[int, dict[str, dict[int, torch.Tensor]]] = collections.defaultdict(
-        lambda: collections.defaultdict(dict))
-
-    @torch.no_grad()
-    def layer_costs(pipe, layer, probe, trials, grads, tokens, inputs, costs):
-        for (side, j), trial in trials.items():
-            start, end = span = sensitivity._flush_span(trial, tokens)
-            delta = sensitivity._reconstruct(trial, layer, probe, span, inputs, side)[0][side]
-            for dk, dv in grads:
-                dots = ((dk if side == "k" else dv)[:, :, start:end].float() * delta).sum((2, 3))  # [B, H]
-                costs[side][j] += 0.5 * float(dots.sum(1).pow(2).sum()) / len(grads)
-                head = per_head[layer][side]
-                head[j] = head.get(j, 0) + 0.5 * dots.pow(2).sum(0) / len(grads)
-        return {}
-
-    original = sensitivity._layer_costs
-    sensitivity._layer_costs = layer_costs
-    try:
-        measured = sensitivity.measure(pipe, model, ids)
-    finally:
-        sensitivity._layer_costs = original
-    tokens = measured.tokens
-    return measured, [{side: [per_head[i][side][j] / tokens for j in range(len(measured.costs[i][side]))]
-                       for side in ("k", "v")} for i in range(len(measured.costs))]
 
 
 def _head_costs(heads, items, n_heads: int) -> list[list[float]]:
@@ -80,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     pipe = torchkv.KVPipeline.from_preset(args.preset).for_model(model)
     pipe.compile = False
     ids = token_windows(tokenizer, [t for _, t in split_articles("calibration", args.domain)], args.seq_len, args.tokens)
-    halves = [measure_per_head(pipe, model, part) for part in ids.chunk(2)]  # disjoint windows
+    halves = [(m, m.head_costs) for m in (sensitivity.measure(pipe, model, part) for part in ids.chunk(2))]  # disjoint
     measured = halves[0][0]
     items = [(i, side) for i in range(len(measured.costs)) for side in ("k", "v")]
     bits = [[c.bits for c in measured.candidates[i][side]] for i, side in items]

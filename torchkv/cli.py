@@ -189,7 +189,8 @@ def _tune(args) -> None:
     texts = [text for _, text in split_articles("calibration", args.domain)]  # an unknown domain lists the others
     model, tokenizer = torchkv.load_model(args.model)
     tuned, report = tune(pipe, model, texts, budget=args.budget, tokenizer=tokenizer, seq_len=args.seq_len,
-                         max_tokens=args.tokens, batch=args.batch, progress=not args.no_progress, domain=args.domain)
+                         max_tokens=args.tokens, batch=args.batch, progress=not args.no_progress, domain=args.domain,
+                         per_head=args.per_head)
     out = Path(args.out)
     tuned.save_pretrained(out)
     (out / "tune.json").write_text(json.dumps({"model": args.model, **report}, indent=2))
@@ -313,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     tn.add_argument("--preset", required=True, help="a preset (with overrides after colons) or a saved pipeline folder")
     tn.add_argument("--budget", type=float, required=True, help="stored bits per value, mean over layers, K and V")
     tn.add_argument("--out", required=True, help="folder to save the tuned pipeline in")
+    tn.add_argument("--per-head", action="store_true", help="choose each KV head's widths, not each layer's")
     _calibration_arguments(tn, batch=1, batch_help="sequences per forward and backward pass",
                            seq_len=2048)  # torchkv.fitting.tuning.SEQ_LEN, not imported: the parser stays light
     tn.set_defaults(run=_tune)

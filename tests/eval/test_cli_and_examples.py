@@ -142,11 +142,11 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
         main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "512"])
     assert "max_tokens=512 is less than one window of seq_len=2048 tokens" in capsys.readouterr().err
     main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "512",
-          "--seq-len", "512", "--domain", "docs", "--no-progress"])
+          "--seq-len", "512", "--domain", "docs", "--per-head", "--no-progress"])
     assert f"wrote {out}" in capsys.readouterr().out
     report = json.loads((out / "tune.json").read_text())
     assert report["bits_per_value"] <= 2.125 and len(report["layers"]) == 30 and report["tokens"] == 512
-    assert report["domain"] == "docs"
+    assert report["domain"] == "docs" and report["per_head"] and len(report["head_sensitivity"]) == 30
     assert method(str(out)).pipeline.tuned_for["layers"] == 30 and method(str(out)).pipeline.tuned_on == "docs"
     results = tmp_path / "eval.json"
     main(["eval", "--presets", "tuned:kivi-2bit@2.75", "--tune-tokens", "512", "--ppl-docs", "128:1",

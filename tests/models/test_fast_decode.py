@@ -8,6 +8,7 @@ import torchkv
 import torchkv.transforms as T
 from torchkv.corpora import documents
 from torchkv.models import cache_argument
+from torchkv.pipeline import HeadGroups
 from torchkv.store import KVStore
 from torchkv.testing import tiny_model
 
@@ -53,6 +54,16 @@ def _hadamard_mixed(compile: bool) -> torchkv.KVPipeline:
     )
 
 
+def _per_head_widths(compile: bool) -> torchkv.KVPipeline:
+    """SmolLM2's 3 KV heads in groups of their own widths (`torchkv tune --per-head`): 3-bit keys (2-D grid) on
+    heads 0 and 2, 4-bit values on head 0, frontier-2bit's chains on the others."""
+    base = torchkv.KVPipeline.from_preset("frontier-2bit")
+    wide = torchkv.KVPipeline.from_preset("frontier-2bit", key_bits=3, dim=2, bits=4)
+    return torchkv.KVPipeline(HeadGroups([([1], base.keys), ([0, 2], wide.keys)]),
+                              HeadGroups([([0], wide.values), ([1, 2], base.values)]),
+                              residual=base.residual, sinks=base.sinks, chunk=base.chunk, compile=compile)
+
+
 def _preset(name: str, **options):
     return lambda compile: torchkv.KVPipeline.from_preset(name, compile=compile, **options)
 
@@ -64,10 +75,12 @@ COMPILED_DECODE = {
     "kivi-4bit-sinks": (_preset("kivi-4bit", sinks=4), True),
     "hadamard-mixed": (_hadamard_mixed, True),
     "float16-window": (_cast_chains, True),
-    "frontier-2bit": (_preset("frontier-2bit"), True),
+    # its chains run compiled inside "per-head-widths" (heads 1, 1-2), which keeps the suite within its time
+    "frontier-2bit": pytest.param((_preset("frontier-2bit"), True), marks=pytest.mark.slow),
     # wider first layers (8-bit codes of 4-bit keys), 6-bit codes of 3-bit keys packed in words after them, each
     # chosen under the prompt queries' metric (chunks flushed in the compiled step encode with it)
     "frontier-2.5bit-3bit-keys-query-metric": (_preset("frontier-2.5bit", key_bits=3, query_metric=True), True),
+    "per-head-widths": (_per_head_widths, True),
     "xquant-2bit": (_preset("xquant-2bit"), False),
     "xquant-cl-2bit": (_preset("xquant-cl-2bit"), False),
     "svdq-1.25bit-v4": (_preset("svdq-1.25bit-v4"), False),

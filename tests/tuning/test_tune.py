@@ -1,5 +1,6 @@
 """Per-layer chains in a pipeline, the tuner's candidates and sensitivities, and `tune` end to end."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,9 +12,9 @@ from torch._dynamo.utils import counters
 import torchkv
 import torchkv.transforms as T
 from torchkv.models import cache_argument
-from torchkv.pipeline import KVPipeline
+from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.testing import tiny_model
-from torchkv.fitting.tuning import CANDIDATE_BITS, candidates, measure, tune
+from torchkv.fitting.tuning import CANDIDATE_BITS, candidates, measure, tune, tuned_for_model, tuned_pipeline
 from torchkv.fitting.tuning.candidates import rewidth
 from torchkv.fitting.tuning.sensitivity import Probe, _exposed_gradients, exposed_pairs
 from torchkv.store import flushed
@@ -143,6 +144,37 @@ def test_sensitivities_fall_with_width_and_tune_meets_the_budget(tmp_path):
     other = tiny_model("llama", layers=3, kv_heads=4)
     with pytest.raises(ValueError, match=r"tuned for another model \(differs in \['config_sha1', 'kv_heads'\]"):
         torchkv.patch(other, str(tmp_path))
+
+
+def test_per_head_costs_split_the_layer_cost_and_per_head_tuning_meets_the_budget_below_its_cost():
+    pipe = KVPipeline.from_preset("frontier-2bit", residual=16)
+    one = tiny_model("llama", layers=2, kv_heads=1)
+    measured = measure(pipe.for_model(one), one, IDS, progress=False)
+    for layer, heads in zip(measured.costs, measured.head_costs):  # one KV head: its cost is the layer's
+        for side in ("k", "v"):
+            torch.testing.assert_close(torch.stack(heads[side])[:, 0].double(), torch.tensor(layer[side], dtype=torch.float64), rtol=1e-4,
+                                       atol=0)
+    model = tiny_model("llama", layers=3, kv_heads=2)
+    measured = measure(pipe.for_model(model), model, IDS, progress=False)
+    by_layer = tuned_pipeline(measured, 2.5)[1]
+    tuned, report = tuned_for_model(measured, model, 2.5, per_head=True)
+    assert report["per_head"] and len(report["head_sensitivity"]) == 3
+    assert any(isinstance(chain, HeadGroups) for pair in tuned.layer_chains.values() for chain in pair)
+    bits = tuned.bits_per_value(2, 32, layers=3)
+    assert bits.mean <= 2.5 + 1e-9 and bits.mean == pytest.approx(report["bits_per_value"])
+
+    def head_sums(row: dict, side: str, key: str) -> float:  # the per-layer choice priced by its heads' costs
+        labels = [c.label for c in measured.candidates[row["layer"]][side]]
+        return float(measured.head_costs[row["layer"]][side][labels.index(row[key])].sum())
+
+    layer_choice = sum(head_sums(row, s, key) for row in by_layer["layers"] for s, key in (("k", "keys"), ("v", "values")))
+    assert report["predicted_kl"] <= layer_choice + 1e-12  # the per-head choices include the per-layer ones
+    tuned.compile = False  # each distinct grouping of a layer's heads compiles graphs of its own
+    with torchkv.patched(model, tuned), torch.no_grad():
+        out = model.generate(IDS[:1, :60], max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 65)
+    with pytest.raises(ValueError, match="per-head widths need the sensitivity split by KV head"):
+        tuned_pipeline(dataclasses.replace(measured, head_costs=[]), 2.5, per_head=True)
 
 
 def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():

@@ -14,6 +14,7 @@ import warnings
 from torch import nn
 
 from torchkv.pipeline import KVPipeline
+from torchkv.pipeline.head_groups import HeadGroups
 
 
 def tp_size(model: nn.Module) -> int:
@@ -59,6 +60,8 @@ def check_tensor_parallel(model: nn.Module, pipeline: KVPipeline) -> None:
         )
     transforms = [t for _, chain in pipeline.chains() for t in chain.transforms]
     refused = sorted({reason for t in transforms if (reason := _refusal(t))})
+    if any(isinstance(chain, HeadGroups) for _, chain in pipeline.chains()):
+        refused.append("its per-KV-head widths name the model's KV heads, and a rank holds a share of them")
     if refused:
         raise NotImplementedError(
             f"pipeline '{pipeline.name}' cannot compress a tensor-parallel model's KV cache ({tp} ranks, {heads // tp} "

@@ -58,6 +58,13 @@ class Chain:
             [i + 1 for i, t in enumerate(resolved) if {"cos", "sin"} & t.requires or t.rematerializes] or [0]
         )
 
+    def spec(self) -> list[dict]:
+        """What `save_pretrained` writes: the transforms' specs in order."""
+        return [t.spec() for t in self.transforms]
+
+    def __repr__(self) -> str:
+        return "[" + ", ".join(repr(t) for t in self.transforms) + "]"
+
     def _why_rebuilt(self, use: str, packed: bool) -> str | None:
         if not self.transforms:
             return "the chain is empty"
@@ -216,22 +223,28 @@ def side_inputs(inputs: Mapping[str, torch.Tensor], side: str, keys: torch.Tenso
     return own
 
 
-def chain_spec(chain: Chain) -> str:
-    return json.dumps([t.spec() for t in chain.transforms], sort_keys=True)
+def as_chain(side) -> "Chain":
+    """A side given as its list of transforms, as a `Chain`; one already built (a `Chain`, `HeadGroups`) as is."""
+    return Chain(list(side)) if isinstance(side, (list, tuple)) else side
 
 
-def shared_chains(
-    layers: Mapping[int, tuple[list[Transform], list[Transform]]], keys: Chain, values: Chain
-) -> dict[int, tuple[Chain, Chain]]:
-    """Chains by layer, one pair per distinct spec; a layer whose chains are the main ones' is left out. The
-    transforms of layers that share a pair are the first such layer's, which take the others' fitted parameters
+def chain_spec(chain) -> str:
+    """A chain's (or `HeadGroups`') spec as a string: chains with equal specs encode alike and share compiled
+    graphs."""
+    return json.dumps(chain.spec(), sort_keys=True)
+
+
+def shared_chains(layers: Mapping[int, tuple], keys: Chain, values: Chain) -> dict[int, tuple]:
+    """Chains by layer, one pair per distinct spec; a layer whose chains are the main ones' is left out. A side is
+    given as its list of transforms, or built (a `Chain`, or `HeadGroups` of chains by KV head). The transforms of
+    layers that share a pair are the first such layer's, which take the others' fitted parameters
     (`Transform.params` is keyed by layer)."""
     shared = {(chain_spec(keys), chain_spec(values)): (keys, values)}
     out: dict[int, tuple[Chain, Chain]] = {}
     for layer in sorted(layers):
         if not isinstance(layer, int) or layer < 0:
             raise ValueError(f"layers must be keyed by layer index (an integer >= 0), got {layer!r}")
-        pair = tuple(Chain(transforms) for transforms in layers[layer])
+        pair = tuple(as_chain(side) for side in layers[layer])
         owner = shared.setdefault(tuple(map(chain_spec, pair)), pair)
         for chain, own in zip(owner, pair):
             for target, t in zip(chain.transforms, own.transforms):

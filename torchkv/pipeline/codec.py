@@ -12,6 +12,7 @@ import torch
 from torchkv._compat import mark_dynamic, own_cache, recompile_headroom
 from torchkv.ops import triton_decode, triton_grid_decode
 from torchkv.pipeline.chain import Chain, decode_pair, side_inputs
+from torchkv.pipeline.head_groups import HeadGroups
 from torchkv.pipeline.state import LayerState, prefixed, side_of, substate
 from torchkv.transforms.quantizers import HiggsQuantize, UniformQuantize
 
@@ -95,7 +96,8 @@ class Codec:
             s_enc = self.keys.scores(qg, substate(encoded, "k."), d, side_of(layer, "k"))
         else:  # keys rebuilt: run eagerly, rematerialized (RoPE at each position) or predicted across layers
             k_enc = self.decode_side("k", self.keys, flat, d, layer, carry)  # [B, H, T, D]
-            s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (encoded["k.out"].shape[2], -1))
+            chunks = next(iter(substate(encoded, "k.").values())).shape[2]
+            s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (chunks, -1))
         nc, c = s_enc.shape[-2:]
         scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
         if softcap is not None:
@@ -231,6 +233,8 @@ class Codec:
             return None, "Triton is not installed"
         if not self.compile:
             return None, "compile=False runs decode attention eagerly over rebuilt tokens"
+        if isinstance(self.keys, HeadGroups) or isinstance(self.values, HeadGroups):
+            return None, "the layer's KV heads are in groups of different widths, which no kernel dispatches yet"
         if self.carries or self.keys.selector is not None:
             return None, "the pipeline predicts across layers or selects chunks"
         if not (self.keys.scores_stored and self.values.sums_stored):

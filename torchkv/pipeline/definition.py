@@ -14,7 +14,8 @@ from torchkv import registry
 from torchkv import window as windows
 from torchkv.pipeline import bits, describe, fitted, io, presets
 from torchkv.pipeline.bits import BitsPerValue
-from torchkv.pipeline.chain import Chain, shared_chains
+from torchkv.pipeline.chain import Chain, as_chain, shared_chains
+from torchkv.pipeline.head_groups import HeadGroups
 from torchkv.pipeline.codec import Codec
 from torchkv.pipeline.state import LayerState, prefixed, side_of
 from torchkv.transforms import ProjectionWeights, Transform
@@ -40,14 +41,15 @@ class KVPipeline:
         layers: `{layer: (keys, values)}`, the transforms of particular layers instead of `keys`/`values`
             (AQUA-KV stores layer 0, which has no previous layer to predict from, at a higher width; XQuant-CL
             keeps its first layers at 4 bits; `torchkv tune` gives every layer the widths its sensitivity
-            earns). Layers whose chains have the same spec share one pair of chains, and so their compiled
+            earns), or a side's `HeadGroups`: its KV heads in groups with chains of their own (`torchkv tune
+            --per-head`). Layers whose chains have the same spec share one pair of chains, and so their compiled
             graphs.
     """
 
     def __init__(
         self,
-        keys: list[Transform],
-        values: list[Transform],
+        keys: list[Transform] | Chain | HeadGroups,
+        values: list[Transform] | Chain | HeadGroups,
         *,
         residual: int = 128,
         sinks: int = 0,
@@ -56,7 +58,7 @@ class KVPipeline:
         compile: bool | str = "auto",
         layers: Mapping[int, tuple[list[Transform], list[Transform]]] | None = None,
     ):
-        self.keys, self.values = Chain(keys), Chain(values)
+        self.keys, self.values = as_chain(keys), as_chain(values)
         #: the layers with chains of their own (see `layers`), by layer index
         self.layer_chains = shared_chains(layers or {}, self.keys, self.values)
         #: encode, decode and decode attention, compiled or not (`Codec.run`)
@@ -126,7 +128,7 @@ class KVPipeline:
         key = (id(chains[0]), *self.rules, self.compile, self.name)
         pipe = self._layer_pipes.get(key)
         if pipe is None:
-            pipe = KVPipeline(chains[0].transforms, chains[1].transforms, residual=self.residual, sinks=self.sinks,
+            pipe = KVPipeline(*chains, residual=self.residual, sinks=self.sinks,
                               chunk=self.chunk, window=self.window, compile=self.compile)
             pipe.carries, pipe.name, pipe.options = self.carries, self.name, self.options
             self._layer_pipes[key] = pipe
@@ -163,9 +165,15 @@ class KVPipeline:
         inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-sequence state from the prompt's keys and values `[B, H, T, D]` (SVDq basis, SQuat subspace)."""
+        self._check_heads(k.shape[1])
         state = LayerState(self.layer_params(layer), {}, dict(inputs or {}))
         return {**prefixed(self.keys.prepare(k, side_of(state, "k"), valid), "k."),
                 **prefixed(self.values.prepare(v, side_of(state, "v"), valid), "v.")}
+
+    def _check_heads(self, heads: int) -> None:
+        for chain in (self.keys, self.values):
+            if isinstance(chain, HeadGroups):
+                chain.check_heads(heads)
 
     @property
     def fused(self) -> bool:
@@ -225,6 +233,7 @@ class KVPipeline:
         `[B, H, T, D]` float32 in projection space: the next layer's "previous" (not state to store).
         """
         _check_kv(k, v)
+        self._check_heads(k.shape[1])
         if k.shape[2] % self.chunk:
             raise ValueError(f"encode_chunk got {k.shape[2]} tokens; it takes a multiple of chunk={self.chunk}")
         if "x" in self.requires and "x" not in (inputs or {}):

@@ -1,8 +1,6 @@
 """A pipeline described for people: `explain` (how decode attention reads each layer's history) and `describe`
 (its `repr`)."""
 
-from torchkv.pipeline.chain import Chain
-
 
 def explain(pipeline, num_layers: int | None = None) -> str:
     """How compiled decode attention reads each layer's history, one line per group of layers read alike:
@@ -46,9 +44,6 @@ def explain(pipeline, num_layers: int | None = None) -> str:
 
 def describe(pipeline) -> str:
     """The pipeline's `repr`: window rules, both chains, and each group of layers with chains of their own."""
-    def chain(c: Chain) -> str:
-        return "[" + ", ".join(repr(t) for t in c.transforms) + "]"
-
     groups: dict[int, list[int]] = {}
     for layer, (keys, _) in pipeline.layer_chains.items():
         groups.setdefault(id(keys), []).append(layer)
@@ -56,9 +51,9 @@ def describe(pipeline) -> str:
         f"KVPipeline(name={pipeline.name!r}, residual={pipeline.residual}, sinks={pipeline.sinks}, "
         f"chunk={pipeline.chunk}, "
         f"window={pipeline.window},\n"
-        f"  keys={chain(pipeline.keys)},\n  values={chain(pipeline.values)}"
-        + "".join(f",\n  layers {ranges(layers)}: keys={chain(pipeline.layer_chains[layers[0]][0])}, "
-                  f"values={chain(pipeline.layer_chains[layers[0]][1])}" for layers in groups.values())
+        f"  keys={pipeline.keys!r},\n  values={pipeline.values!r}"
+        + "".join(f",\n  layers {ranges(layers)}: keys={pipeline.layer_chains[layers[0]][0]!r}, "
+                  f"values={pipeline.layer_chains[layers[0]][1]!r}" for layers in groups.values())
         + ")"
     )
 

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from torchkv import window as windows
+from torchkv.pipeline.head_groups import HeadGroups
 from torchkv.pipeline.state import prefixed, substate
 from torchkv.transforms import build
 
@@ -33,10 +34,9 @@ def config(pipe) -> dict[str, Any]:
         "sinks": pipe.sinks,
         "chunk": pipe.chunk,
         "window": None if pipe.window is None else pipe.window.spec(),
-        "keys": [t.spec() for t in pipe.keys.transforms],
-        "values": [t.spec() for t in pipe.values.transforms],
-        "layers": {str(layer): {"keys": [t.spec() for t in k.transforms], "values": [t.spec() for t in v.transforms]}
-                   for layer, (k, v) in pipe.layer_chains.items()},
+        "keys": pipe.keys.spec(),
+        "values": pipe.values.spec(),
+        "layers": {str(layer): {"keys": k.spec(), "values": v.spec()} for layer, (k, v) in pipe.layer_chains.items()},
         "fitted_for": pipe.fitted_for,
         "tuned_for": pipe.tuned_for,
         # the text domains of fit and tune, where known: absent otherwise, as in folders saved before they existed
@@ -119,19 +119,27 @@ def load(cls: type, path: str | Path):
 def from_config(cls: type, config: Mapping[str, Any]):
     """A pipeline from its `config()` (parameters not included: see `load_params`)."""
     pipe = cls(
-        [build(s) for s in config["keys"]],
-        [build(s) for s in config["values"]],
+        side(config["keys"]),
+        side(config["values"]),
         residual=config["residual"],
         sinks=config["sinks"],
         chunk=config["chunk"],
         window=None if config.get("window") is None else windows.from_spec(config["window"]),
-        layers={int(layer): ([build(s) for s in c["keys"]], [build(s) for s in c["values"]])
+        layers={int(layer): (side(c["keys"]), side(c["values"]))
                 for layer, c in layer_specs(config).items()},
     )
     pipe.name, pipe.options, pipe.fitted_for = config["name"], dict(config["options"]), config.get("fitted_for")
     pipe.tuned_for = config.get("tuned_for")
     pipe.fitted_on, pipe.tuned_on = config.get("fitted_on"), config.get("tuned_on")
     return pipe
+
+
+def side(spec: list | Mapping[str, Any]) -> list | HeadGroups:
+    """One side from its spec: a list of transform specs (a chain), or `HeadGroups.spec()`'s dict."""
+    if isinstance(spec, Mapping):
+        return HeadGroups([(heads, [build(s) for s in chain]) for heads, chain in zip(spec["heads"], spec["chains"],
+                                                                                      strict=True)])
+    return [build(s) for s in spec]
 
 
 def layer_specs(config: Mapping[str, Any]) -> dict[int, dict[str, list]]:

@@ -16,7 +16,7 @@ from torchkv import registry
 from torchkv._compat import config_head_dim
 from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.memory import peak_rss, reset_peak
-from torchkv.pipeline import KVPipeline
+from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.fitting.tuning.allocate import allocate
 from torchkv.fitting.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, tuned_chunk
 from torchkv.fitting.tuning.sensitivity import Sensitivity, measure
@@ -67,31 +67,61 @@ def check_budget(budget: float, low: float, high: float) -> None:
                          f"reach {low:.4g} to {high:.4g} bits per value (full precision is {FULL_PRECISION:g})")
 
 
-def tuned_pipeline(sensitivity: Sensitivity, budget: float) -> tuple[KVPipeline, dict[str, Any]]:
-    """The pipeline whose per-layer, per-side candidates minimise the summed estimated KL within `budget` stored
-    bits per value (mean over layers, keys and values), and a report of the choice."""
+def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = False) -> tuple[KVPipeline, dict[str, Any]]:
+    """The pipeline whose per-layer, per-side candidates (`per_head`: per layer, side and KV head, from
+    `Sensitivity.head_costs`) minimise the summed estimated KL within `budget` stored bits per value (mean over
+    layers, keys and values, and heads), and a report of the choice. A side whose heads take different candidates
+    is stored as `HeadGroups`, one group per candidate."""
     base = sensitivity.pipeline
-    items = [(layer, side) for layer in range(len(sensitivity.costs)) for side in ("k", "v")]
-    bits = [[c.bits for c in sensitivity.candidates[layer][side]] for layer, side in items]
-    costs = [sensitivity.costs[layer][side] for layer, side in items]
-    choice = dict(zip(items, allocate(bits, costs, budget)))
-    chosen = [tuple(sensitivity.candidates[layer][side][choice[layer, side]] for side in ("k", "v"))
-              for layer in range(len(sensitivity.costs))]
-    main_k, main_v = collections.Counter(chosen).most_common(1)[0][0]
-    chosen_all = [c for pair in chosen for c in pair]
+    if per_head and not sensitivity.head_costs:
+        raise ValueError("per-head widths need the sensitivity split by KV head, which a sensitivity read back from a "
+                         "report lacks: measure it again (torchkv tune --per-head)")
+    heads = len(sensitivity.head_costs[0]["k"][0]) if per_head else 1
+    layers = range(len(sensitivity.costs))
+    items = [(layer, side, h) for layer in layers for side in ("k", "v") for h in range(heads)]
+    bits = [[c.bits for c in sensitivity.candidates[layer][side]] for layer, side, _ in items]
+    costs = [[float(c[h]) for c in sensitivity.head_costs[layer][side]] if per_head else sensitivity.costs[layer][side]
+             for layer, side, h in items]
+    picked = allocate(bits, costs, budget)
+    item_costs = dict(zip(items, costs))
+    choice: dict[tuple[int, str], list[int]] = collections.defaultdict(list)  # each head's candidate, by layer, side
+    for (layer, side, _), j in zip(items, picked):
+        choice[layer, side].append(j)
+
+    def chosen(layer: int, side: str) -> list | HeadGroups:
+        options, per = sensitivity.candidates[layer][side], choice[layer, side]
+        if len(set(per)) == 1:
+            return list(options[per[0]].transforms)
+        return HeadGroups([([h for h, i in enumerate(per) if i == j], list(options[j].transforms))
+                           for j in sorted(set(per))])
+
+    used = [sensitivity.candidates[layer][side][j] for (layer, side, _), j in zip(items, picked)]
+    pairs = collections.Counter((sensitivity.candidates[layer]["k"][choice[layer, "k"][h]],
+                                 sensitivity.candidates[layer]["v"][choice[layer, "v"][h]])
+                                for layer in layers for h in range(heads))
+    main_k, main_v = pairs.most_common(1)[0][0]
     pipe = KVPipeline(list(main_k.transforms), list(main_v.transforms),
-                      layers={i: (list(k.transforms), list(v.transforms)) for i, (k, v) in enumerate(chosen)},
-                      residual=base.residual, sinks=base.sinks, chunk=tuned_chunk(base, [c.transforms for c in chosen_all]),
+                      layers={i: (chosen(i, "k"), chosen(i, "v")) for i in layers},
+                      residual=base.residual, sinks=base.sinks, chunk=tuned_chunk(base, [c.transforms for c in used]),
                       window=base.window, compile=base.compile)
     pipe.name, pipe.options, pipe.fitted_for = f"tuned:{base.name}@{budget:g}", dict(base.options), base.fitted_for
     pipe.fitted_on = base.fitted_on
+
+    def summary(layer: int, side: str) -> dict[str, Any]:
+        options, per = sensitivity.candidates[layer][side], choice[layer, side]
+        labels = {options[j].label: [h for h, i in enumerate(per) if i == j] for j in sorted(set(per))}
+        cost = sum(item_costs[layer, side, h][j] for h, j in enumerate(per))
+        return {"label": next(iter(labels)) if len(labels) == 1 else labels,
+                "bits": sum(options[j].bits for j in per) / len(per), "kl": cost}
+
+    rows = [(i, summary(i, "k"), summary(i, "v")) for i in layers]
     report = {
         "budget": budget,
-        "bits_per_value": sum(k.bits + v.bits for k, v in chosen) / (2 * len(chosen)),
-        "predicted_kl": sum(costs[n][choice[item]] for n, item in enumerate(items)),
-        "layers": [{"layer": i, "keys": k.label, "values": v.label, "key_bits": k.bits, "value_bits": v.bits,
-                    "key_kl": sensitivity.costs[i]["k"][choice[i, "k"]],
-                    "value_kl": sensitivity.costs[i]["v"][choice[i, "v"]]} for i, (k, v) in enumerate(chosen)],
+        "per_head": per_head,
+        "bits_per_value": sum(b[j] for b, j in zip(bits, picked)) / len(items),
+        "predicted_kl": sum(c[j] for c, j in zip(costs, picked)),
+        "layers": [{"layer": i, "keys": k["label"], "values": v["label"], "key_bits": k["bits"],
+                    "value_bits": v["bits"], "key_kl": k["kl"], "value_kl": v["kl"]} for i, k, v in rows],
     }
     return pipe, report
 
@@ -109,6 +139,7 @@ def tune(
     batch: int = 1,
     progress: bool = True,
     domain: str | None = None,
+    per_head: bool = False,
 ) -> tuple[KVPipeline, dict[str, Any]]:
     """Tune `pipe` on `model` for a budget of stored bits per value (see the module docstring).
 
@@ -117,6 +148,7 @@ def tune(
         texts: calibration strings (tokenized with `tokenizer`, cut into `seq_len`-token windows) or ids [N, T].
         max_tokens: calibration tokens used at most; batch: windows per forward and backward pass.
         domain: what the texts are (a `torchkv.corpora` domain or your own label), kept as `tuned.tuned_on`.
+        per_head: choose each KV head's widths, not each layer's (`tuned_pipeline`).
 
     Returns:
         the tuned pipeline (marked as tuned for `model`, `KVPipeline.tuned_for`) and a report: the choice per
@@ -130,18 +162,19 @@ def tune(
     check_budget(budget, *reachable(pipe, model))
     ids = token_windows(tokenizer, texts, seq_len, max_tokens)
     sensitivity = measure(pipe, model, ids, batch=batch, progress=progress)
-    tuned, report = tuned_for_model(sensitivity, model, budget)
+    tuned, report = tuned_for_model(sensitivity, model, budget, per_head)
     tuned.tuned_on = domain
     report.update(seconds=time.perf_counter() - started, domain=domain, peak_rss_mib=peak_rss() / 2**20,
                   peak_rss_since="tune" if resettable else "process start")
     return tuned, report
 
 
-def tuned_for_model(sensitivity: Sensitivity, model, budget: float) -> tuple[KVPipeline, dict[str, Any]]:
+def tuned_for_model(sensitivity: Sensitivity, model, budget: float, per_head: bool = False
+                    ) -> tuple[KVPipeline, dict[str, Any]]:
     """`tuned_pipeline`, marked as tuned for `model`, with the measurement in its report (what `tune.json` holds)."""
     from torchkv.models.arch import fingerprint
 
-    tuned, report = tuned_pipeline(sensitivity, budget)
+    tuned, report = tuned_pipeline(sensitivity, budget, per_head)
     tuned.tuned_for = fingerprint(model)
     report.update(
         preset=sensitivity.pipeline.name, tokens=sensitivity.tokens, seq_len=sensitivity.seq_len,
@@ -149,6 +182,10 @@ def tuned_for_model(sensitivity: Sensitivity, model, budget: float) -> tuple[KVP
         sensitivity=[{side: dict(zip((c.label for c in sensitivity.candidates[i][side]), costs))
                       for side, costs in layer.items()} for i, layer in enumerate(sensitivity.costs)],
     )
+    if per_head:
+        report["head_sensitivity"] = [{side: {c.label: [float(x) for x in costs] for c, costs in
+                                              zip(sensitivity.candidates[i][side], layer[side])} for side in layer}
+                                      for i, layer in enumerate(sensitivity.head_costs)]
     return tuned, report
 
 

@@ -4,7 +4,7 @@ import dataclasses
 import itertools
 import math
 
-from torchkv.pipeline import Chain, KVPipeline
+from torchkv.pipeline import Chain, HeadGroups, KVPipeline
 from torchkv.transforms import Transform
 from torchkv.transforms.quantizers import higgs_dim
 
@@ -78,6 +78,8 @@ def candidates(pipe: KVPipeline, kv_heads: int, head_dim: int, widths=CANDIDATE_
     A candidate whose token group exceeds the pipeline's chunk needs a larger chunk (`tuned_chunk`). `widths`: the
     widths tried, by side."""
     out = {}
+    if any(isinstance(chain, HeadGroups) for chain in (pipe.keys, pipe.values)):
+        raise ValueError(f"pipeline '{pipe.name}' has per-KV-head widths; tune the pipeline it was tuned from")
     for side, chain, other in (("k", pipe.keys, pipe.values), ("v", pipe.values, pipe.keys)):
         found: dict[str, Candidate] = {}
         for width, scale in itertools.product(widths[side], group_scales):

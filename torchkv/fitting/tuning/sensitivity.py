@@ -96,6 +96,9 @@ class Sensitivity:
         pipeline: the pipeline tuned from (for the model: `KVPipeline.for_model`).
         candidates: per layer, each side's candidates ("k", "v"), cheapest first.
         costs: per layer and side, the estimated KL divergence (nats per scored token) of each candidate.
+        head_costs: the same split by KV head, `½ (g_h·δ_h)²` (`[H]` per candidate): what `torchkv tune
+            --per-head` allocates; empty where not measured (read back from a report). They drop the cross terms
+            between heads that `costs` keeps.
         tokens: scored calibration tokens, in windows of `seq_len`; seconds: the measurement's duration.
     """
 
@@ -105,6 +108,7 @@ class Sensitivity:
     tokens: int
     seq_len: int
     seconds: float
+    head_costs: list[dict[str, list[torch.Tensor]]] = dataclasses.field(default_factory=list)
 
 
 def _flush_span(pipe: KVPipeline, tokens: int) -> tuple[int, int]:
@@ -152,16 +156,18 @@ def _trials(pipe: KVPipeline, layer: int, options: dict[str, list[Candidate]]) -
 
 
 @torch.no_grad()
-def _layer_costs(pipe, layer, probe, trials, grads, tokens, inputs, costs) -> dict:
+def _layer_costs(pipe, layer, probe, trials, grads, tokens, inputs, costs, head_costs) -> dict:
     """Add this layer's `½ (g·δ)²` of every candidate, per sequence and averaged over the draws' gradients `grads`
-    (`(g_k, g_v)` each), to `costs`, over the tokens each trial's cache would store encoded from a `tokens`-token
-    prompt; return the base pipeline's carry for the next layer."""
+    (`(g_k, g_v)` each), to `costs`, and each KV head's `½ (g_h·δ_h)²` to `head_costs`, over the tokens each trial's
+    cache would store encoded from a `tokens`-token prompt; return the base pipeline's carry for the next layer."""
     for (side, j), trial in trials.items():
         start, end = span = _flush_span(trial, tokens)
         delta = _reconstruct(trial, layer, probe, span, inputs, side)[0][side]
         for dk, dv in grads:
             g = (dk if side == "k" else dv)[:, :, start:end].float()
-            costs[side][j] += 0.5 * float((g * delta).sum((1, 2, 3)).pow(2).sum()) / len(grads)
+            product = g * delta  # [B, H, T', D]
+            costs[side][j] += 0.5 * float(product.sum((1, 2, 3)).pow(2).sum()) / len(grads)
+            head_costs[side][j] += 0.5 * product.sum((2, 3)).pow(2).sum(0).cpu() / len(grads)
     if not pipe.carries:
         return {}
     return _reconstruct(pipe.for_layer(layer), layer, probe, _flush_span(pipe, tokens), inputs)[1]
@@ -250,6 +256,7 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
                for i in range(layers)]
     trials = [_trials(pipe, i, options[i]) for i in range(layers)]
     costs = [{side: [0.0] * len(c) for side, c in o.items()} for o in options]
+    head_costs = [{side: [torch.zeros(kv_heads) for _ in c] for side, c in o.items()} for o in options]
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     positions = torch.arange(ids.shape[1], device=device)[None]
@@ -270,7 +277,8 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
             if probe.x is not None and "x" in pipe.requires:
                 inputs["x"] = probe.x
             inputs.update({f"previous.{s}": t for s, t in carry.items()})
-            carry = _layer_costs(pipe, i, probe, trials[i], grads[i], ids.shape[1], inputs, costs[i])
+            carry = _layer_costs(pipe, i, probe, trials[i], grads[i], ids.shape[1], inputs, costs[i], head_costs[i])
         tokens += window.numel()
-    scaled = [{side: [c / tokens for c in cs] for side, cs in layer.items()} for layer in costs]
-    return Sensitivity(pipe, options, scaled, tokens, ids.shape[1], time.perf_counter() - started)
+    costs, head_costs = ([{side: [c / tokens for c in cs] for side, cs in layer.items()} for layer in table]
+                         for table in (costs, head_costs))
+    return Sensitivity(pipe, options, costs, tokens, ids.shape[1], time.perf_counter() - started, head_costs)
