@@ -97,6 +97,8 @@ def test_bad_head_groups_are_refused_with_what_to_do():
     for groups in ([([0, 2], keys)], [([0], keys), ([0, 1], keys)], [([], keys), ([0], keys)]):
         with pytest.raises(ValueError, match=r"must be non-empty and hold the KV heads 0..H-1 once each"):
             HeadGroups(groups)
+    with pytest.raises(TypeError, match=r"a chain takes Transform objects, got str"):
+        KVPipeline("balance", [])
     with pytest.raises(ValueError, match=r"must be fitted per sequence only"):
         HeadGroups([([0], KVPipeline.from_preset("aquakv-2bit").keys)])
     pipe = KVPipeline(HeadGroups([([0], keys), ([1], keys)]), _sides("frontier-2bit")[1], compile=False)

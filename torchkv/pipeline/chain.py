@@ -224,8 +224,9 @@ def side_inputs(inputs: Mapping[str, torch.Tensor], side: str, keys: torch.Tenso
 
 
 def as_chain(side) -> "Chain":
-    """A side given as its list of transforms, as a `Chain`; one already built (a `Chain`, `HeadGroups`) as is."""
-    return Chain(list(side)) if isinstance(side, (list, tuple)) else side
+    """A side given as its transforms, as a `Chain`; one already built (a `Chain`, `HeadGroups`: what decode attention
+    reads of it is known) as is."""
+    return side if hasattr(side, "rebuilds") else Chain(list(side))
 
 
 def chain_spec(chain) -> str:

@@ -25,8 +25,8 @@ class KVPipeline:
     """How a KV cache is compressed: a key chain, a value chain and the window rules.
 
     Args:
-        keys: transforms applied to each key chunk `[B, H, T, D]`, in order.
-        values: transforms applied to each value chunk.
+        keys: transforms applied to each key chunk `[B, H, T, D]`, in order (or a built `Chain` or `HeadGroups`).
+        values: transforms applied to each value chunk (the same).
         residual: most recent tokens kept in full precision (KIVI's residual window).
         sinks: first tokens of the sequence kept in full precision.
         chunk: tokens encoded together; a multiple of every transform's token group.
