@@ -99,7 +99,7 @@ def test_bad_head_groups_are_refused_with_what_to_do():
             HeadGroups(groups)
     with pytest.raises(TypeError, match=r"a chain takes Transform objects, got str"):
         KVPipeline("balance", [])
-    with pytest.raises(ValueError, match=r"must be fitted per sequence only"):
+    with pytest.raises(ValueError, match=r"cannot hold \[predict.linear.*group chains fitted per sequence only"):
         HeadGroups([([0], KVPipeline.from_preset("aquakv-2bit").keys)])
     pipe = KVPipeline(HeadGroups([([0], keys), ([1], keys)]), _sides("frontier-2bit")[1], compile=False)
     k = torch.randn(1, 3, 32, D)

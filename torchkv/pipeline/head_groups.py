@@ -2,6 +2,7 @@
 (per-KV-head widths, `torchkv tune --per-head`). Heads never mix in attention, so each group is encoded, scored
 and summed on its own heads and the results are put back in head order."""
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -33,12 +34,13 @@ class HeadGroups:
         for chain in self.chains:
             refused = [t for t in chain.transforms if t.needs_fit or t.fits_weights or t.rematerializes or t.selects]
             if refused or chain.predicts:
-                raise ValueError(f"a head group's chain {chain.transforms} must be fitted per sequence only: "
-                                 f"{refused or 'a predictor across layers'} reads parameters of all heads together")
+                raise ValueError(f"a head group's chain {chain.transforms} cannot hold {refused or 'a predictor'}: "
+                                 "parameters fitted offline, predictors across layers and chunk selection span all of "
+                                 "a layer's KV heads; group chains fitted per sequence only (frontier-*, kivi-*)")
         #: where each KV head of the layer is among the groups' heads, group after group (None: in order)
         self.inverse = None if order == sorted(order) else sorted(range(len(order)), key=order.__getitem__)
         self.num_heads = len(order)
-        self.token_multiple = Chain([t for c in self.chains for t in c.transforms]).token_multiple
+        self.token_multiple = math.lcm(*(c.token_multiple for c in self.chains))
         self.rebuilds = {use: next((f"heads {heads}: {c.rebuilds[use]}" for heads, c in zip(self.heads, self.chains)
                                     if c.rebuilds[use] is not None), None) for use in ("scores", "sums")}
         self.scores_stored = self.rebuilds["scores"] is None
