@@ -5,8 +5,9 @@ value width, not each layer's, lower the estimated KL at the same stored bits?
 also split by KV head (`Sensitivity.head_costs`): `½ (g_h·δ_h)²` per head h, besides the layer's
 `½ (Σ_h g_h·δ_h)²`. Both allocations run at the same budget (`fitting.tuning.allocate`) and are priced by the
 per-head sums, which drop the cross terms between heads; the layer allocation is also priced by its own cost,
-which keeps them, to show what dropping them changes. Finer choices fit the measurement's noise more, so the calibration windows are measured in two
-disjoint halves, and each allocation is also made on one half and priced on the other (both ways, averaged).
+which keeps them, to show what dropping them changes. Finer choices fit the measurement's noise more, so the
+calibration windows are measured in two disjoint halves, and each allocation is also made on one half and priced
+on the other (both ways, averaged).
 `torchkv tune --per-head` builds the per-head allocation (`HeadGroups`).
 
     python benchmarks/per_head_costs.py --tokens 16384 --out benchmarks/results/domains/ablations/per_head_costs.json
@@ -50,15 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     pipe = torchkv.KVPipeline.from_preset(args.preset).for_model(model)
     pipe.compile = False
     ids = token_windows(tokenizer, [t for _, t in split_articles("calibration", args.domain)], args.seq_len, args.tokens)
-    halves = [(m, m.head_costs) for m in (sensitivity.measure(pipe, model, part) for part in ids.chunk(2))]  # disjoint
-    measured = halves[0][0]
+    halves = [sensitivity.measure(pipe, model, part) for part in ids.chunk(2)]  # disjoint windows
+    measured = halves[0]
     items = [(i, side) for i in range(len(measured.costs)) for side in ("k", "v")]
     bits = [[c.bits for c in measured.candidates[i][side]] for i, side in items]
-    n_heads = halves[0][1][0]["k"][0].numel()
+    n_heads = measured.head_costs[0]["k"][0].numel()
     head_bits = [b for b in bits for _ in range(n_heads)]
     layer_costs = [[[m.costs[i][side][j] for j in range(len(bits[n]))] for n, (i, side) in enumerate(items)]
-                   for m, _ in halves]
-    head_costs = [_head_costs(heads, items, n_heads) for _, heads in halves]
+                   for m in halves]
+    head_costs = [_head_costs(m.head_costs, items, n_heads) for m in halves]
     whole_layer = [[(a + b) / 2 for a, b in zip(*pair)] for pair in zip(*layer_costs)]  # equal halves: the mean
     whole_head = [[(a + b) / 2 for a, b in zip(*pair)] for pair in zip(*head_costs)]
     rows = []
@@ -89,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     share = [max(cheapest[n * n_heads:(n + 1) * n_heads]) / max(sum(cheapest[n * n_heads:(n + 1) * n_heads]), 1e-30)
              for n in range(len(items))]
     write_benchmark(args.out, "per_head_costs", rows, preset=args.preset, domain=args.domain,
-                    tokens=sum(m.tokens for m, _ in halves), seq_len=args.seq_len, kv_heads=n_heads,
-                    seconds=sum(m.seconds for m, _ in halves), largest_head_share_of_cheapest_cost=share)
+                    tokens=sum(m.tokens for m in halves), seq_len=args.seq_len, kv_heads=n_heads,
+                    seconds=sum(m.seconds for m in halves), largest_head_share_of_cheapest_cost=share)
 
 
 if __name__ == "__main__":

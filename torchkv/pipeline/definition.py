@@ -165,12 +165,13 @@ class KVPipeline:
         inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-sequence state from the prompt's keys and values `[B, H, T, D]` (SVDq basis, SQuat subspace)."""
-        self._check_heads(k.shape[1])
         state = LayerState(self.layer_params(layer), {}, dict(inputs or {}))
         return {**prefixed(self.keys.prepare(k, side_of(state, "k"), valid), "k."),
                 **prefixed(self.values.prepare(v, side_of(state, "v"), valid), "v.")}
 
     def _check_heads(self, heads: int) -> None:
+        """Refuse, before any compiled encoding, a layer whose KV heads the head groups do not cover
+        (`HeadGroups.prepare` and `encode` check again, eagerly where called alone)."""
         for chain in (self.keys, self.values):
             if isinstance(chain, HeadGroups):
                 chain.check_heads(heads)

@@ -68,11 +68,13 @@ class HeadGroups:
             raise ValueError(f"the head groups {self.heads} cover {self.num_heads} KV heads, and the layer has {heads}: "
                              "tune or build per-head widths for this model's KV heads")
 
-    def _own(self, i: int, own: LayerState, queries: int | None = None) -> LayerState:
+    def _own(self, i: int, own: LayerState, prompt: bool = False) -> LayerState:
+        """Group i's view of `own`: its prepared state and, at `prompt` (prepare), the prompt's query heads that read
+        its KV heads."""
         inputs = dict(own.inputs)
-        if queries is not None:  # the prompt's query heads that read this group's KV heads
-            per = queries // self.num_heads
-            inputs["queries"] = own.inputs["queries"][:, [h * per + j for h in self.heads[i] for j in range(per)]]
+        if prompt and "queries" in inputs:
+            per = inputs["queries"].shape[1] // self.num_heads
+            inputs["queries"] = inputs["queries"][:, [h * per + j for h in self.heads[i] for j in range(per)]]
         return LayerState({}, substate(own.prepared, f"g{i}."), inputs)
 
     def _merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -82,11 +84,10 @@ class HeadGroups:
     def prepare(self, x: torch.Tensor, own: LayerState, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Per-sequence state of every group's chain from the prompt's `x: [B, H, T, F]` (and its queries)."""
         self.check_heads(x.shape[1])
-        queries = own.inputs["queries"].shape[1] if "queries" in own.inputs else None
         out = {}
         for i, (heads, chain) in enumerate(zip(self.heads, self.chains)):
             if chain.needs_prepare:
-                out.update(prefixed(chain.prepare(x[:, list(heads)], self._own(i, own, queries), valid), f"g{i}."))
+                out.update(prefixed(chain.prepare(x[:, list(heads)], self._own(i, own, prompt=True), valid), f"g{i}."))
         return out
 
     def encode(self, x: torch.Tensor, own: LayerState, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -87,13 +87,15 @@ def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = Fal
     choice: dict[tuple[int, str], list[int]] = collections.defaultdict(list)  # each head's candidate, by layer, side
     for (layer, side, _), j in zip(items, picked):
         choice[layer, side].append(j)
+    #: the heads that took each chosen candidate, by layer and side
+    grouped = {key: {j: [h for h, i in enumerate(per) if i == j] for j in sorted(set(per))}
+               for key, per in choice.items()}
 
     def chosen(layer: int, side: str) -> list | HeadGroups:
-        options, per = sensitivity.candidates[layer][side], choice[layer, side]
-        if len(set(per)) == 1:
-            return list(options[per[0]].transforms)
-        return HeadGroups([([h for h, i in enumerate(per) if i == j], list(options[j].transforms))
-                           for j in sorted(set(per))])
+        options, groups = sensitivity.candidates[layer][side], grouped[layer, side]
+        if len(groups) == 1:
+            return list(options[next(iter(groups))].transforms)
+        return HeadGroups([(heads, list(options[j].transforms)) for j, heads in groups.items()])
 
     used = [sensitivity.candidates[layer][side][j] for (layer, side, _), j in zip(items, picked)]
     pairs = collections.Counter((sensitivity.candidates[layer]["k"][choice[layer, "k"][h]],
@@ -109,7 +111,7 @@ def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = Fal
 
     def summary(layer: int, side: str) -> dict[str, Any]:
         options, per = sensitivity.candidates[layer][side], choice[layer, side]
-        labels = {options[j].label: [h for h, i in enumerate(per) if i == j] for j in sorted(set(per))}
+        labels = {options[j].label: heads for j, heads in grouped[layer, side].items()}
         cost = sum(item_costs[layer, side, h][j] for h, j in enumerate(per))
         return {"label": next(iter(labels)) if len(labels) == 1 else labels,
                 "bits": sum(options[j].bits for j in per) / len(per), "kl": cost}
