@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from torchkv.fitting.tuning import candidates
 from torchkv.models import parallel
-from torchkv.pipeline import HeadGroups, KVPipeline
+from torchkv.ops import triton_decode
+from torchkv.pipeline import HeadGroups, KVPipeline, codec
 from torchkv.testing import tiny_model
 
 #: chains a group may take: grid-coded keys and rotated values at two widths each, and KIVI's layout (its keys
@@ -101,14 +102,52 @@ def test_bad_head_groups_are_refused_with_what_to_do():
         KVPipeline("balance", [])
     with pytest.raises(ValueError, match=r"cannot hold \[predict.linear.*group chains fitted per sequence only"):
         HeadGroups([([0], KVPipeline.from_preset("aquakv-2bit").keys)])
-    pipe = KVPipeline(HeadGroups([([0], keys), ([1], keys)]), _sides("frontier-2bit")[1], compile=False)
+    pipe = KVPipeline(HeadGroups([([0], keys), ([1], _sides(CHAINS[1])[0])]), _sides("frontier-2bit")[1],
+                      compile=False)
     k = torch.randn(1, 3, 32, D)
     with pytest.raises(ValueError, match=r"cover 2 KV heads, and the layer has 3: tune or build per-head widths"):
         pipe.prepare(k, k, inputs=_inputs(1, 3, 1, 32, seed=0))
-    pipe.compile = True
-    assert "groups of different widths" in pipe.kernel_refusal(D)
+    with pytest.raises(ValueError, match=r"cannot carry its reconstruction to the next layer"):
+        pipe.carries = True
     with pytest.raises(ValueError, match=r"has per-KV-head widths; tune the pipeline it was tuned from"):
         candidates(pipe, 2, D)
+
+
+@pytest.mark.skipif(triton_decode.triton is None, reason="needs triton")
+def test_each_pair_of_chains_attends_its_heads_with_its_gpu_kernel(monkeypatch):
+    """A layer's heads are grouped by (key chain, value chain) pair, and each group is attended by its pair's `Codec`,
+    whose Triton kernel (under the interpreter here, eagerly) gives what the reductions over the stored form give."""
+    monkeypatch.setattr(codec, "EAGER_CALLS_BEFORE_COMPILE", 10)  # eager: the kernels under torch.compile are
+    # tested in tests/ops/test_triton_decode.py
+    frontier, kivi, wide = (_sides(c) for c in ("frontier-2bit", CHAINS[2], CHAINS[1]))
+    pipe = KVPipeline(*frontier, residual=16, chunk=16, layers={
+        1: (HeadGroups([([0, 2], frontier[0]), ([1], kivi[0])]), HeadGroups([([0, 2], frontier[1]), ([1], kivi[1])])),
+        2: (HeadGroups([([0], kivi[0]), ([1, 2], frontier[0])]), HeadGroups([([0], kivi[1]), ([1], frontier[1]),
+                                                                              ([2], wide[1])])),
+    })
+    one, two = pipe.for_layer(1), pipe.for_layer(2)
+    assert one.keys.heads == [(0, 2), (1,)] and two.keys.heads == two.values.heads == [(0,), (1,), (2,)]
+    assert [(c.keys.spec(), c.values.spec()) for c in two.codec.groups] == [
+        (kivi[0].spec(), kivi[1].spec()), (frontier[0].spec(), frontier[1].spec()),
+        (frontier[0].spec(), wide[1].spec())]
+    assert one.codec.kernel(D) == ("grid+kivi", None)
+    assert "layer 1: keys scored from the stored form; values summed from the stored form; on CUDA the Triton kernel " \
+           "over grid-coded keys and the Triton kernel over KIVI's layout; KV heads in 2 groups" in pipe.explain(3)
+    b, h, per, t = 2, 3, 2, 2 * one.chunk  # two chunks of 16 tokens
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(b, h, t, D, generator=g), torch.randn(b, h, t, D, generator=g)
+    prepared = one.prepare(k, v, inputs=_inputs(b, h, per, t, seed=1))
+    encoded = {n: s.unflatten(2, (2, -1)) for n, s in one.encode_chunk(k, v, prepared=prepared).items()}
+    q, k_fp, v_fp = torch.randn(b, h * per, 1, D, generator=g), *torch.randn(2, b, h, 5, D, generator=g)
+    mask = torch.ones(b, 1, 1, t + 5, dtype=torch.bool)
+    mask[1, ..., :7] = False
+    outs = []
+    for on_gpu in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(triton_decode, "runs_on", lambda device: on_gpu)
+            outs.append(one.attend_decode(q, encoded, k_fp, v_fp, mask, D**-0.5, layer=1, prepared=prepared))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-5, rtol=1e-4)
 
 
 def test_tensor_parallelism_refuses_per_head_widths(monkeypatch):

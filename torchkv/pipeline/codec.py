@@ -12,7 +12,6 @@ import torch
 from torchkv._compat import mark_dynamic, own_cache, recompile_headroom
 from torchkv.ops import triton_decode, triton_grid_decode
 from torchkv.pipeline.chain import Chain, decode_pair, side_inputs
-from torchkv.pipeline.head_groups import HeadGroups
 from torchkv.pipeline.state import LayerState, prefixed, side_of, substate
 from torchkv.transforms.quantizers import HiggsQuantize, UniformQuantize
 
@@ -233,8 +232,6 @@ class Codec:
             return None, "Triton is not installed"
         if not self.compile:
             return None, "compile=False runs decode attention eagerly over rebuilt tokens"
-        if isinstance(self.keys, HeadGroups) or isinstance(self.values, HeadGroups):
-            return None, "the layer's KV heads are in groups of different widths, which no kernel dispatches yet"
         if self.carries or self.keys.selector is not None:
             return None, "the pipeline predicts across layers or selects chunks"
         if not (self.keys.scores_stored and self.values.sums_stored):

@@ -15,8 +15,9 @@ from torchkv import window as windows
 from torchkv.pipeline import bits, describe, fitted, io, presets
 from torchkv.pipeline.bits import BitsPerValue
 from torchkv.pipeline.chain import Chain, as_chain, shared_chains
-from torchkv.pipeline.head_groups import HeadGroups
 from torchkv.pipeline.codec import Codec
+from torchkv.pipeline.grouped_codec import GroupedCodec
+from torchkv.pipeline.head_groups import HeadGroups, paired
 from torchkv.pipeline.state import LayerState, prefixed, side_of
 from torchkv.transforms import ProjectionWeights, Transform
 
@@ -58,11 +59,14 @@ class KVPipeline:
         compile: bool | str = "auto",
         layers: Mapping[int, tuple[list[Transform], list[Transform]]] | None = None,
     ):
-        self.keys, self.values = as_chain(keys), as_chain(values)
-        #: the layers with chains of their own (see `layers`), by layer index
-        self.layer_chains = shared_chains(layers or {}, self.keys, self.values)
-        #: encode, decode and decode attention, compiled or not (`Codec.run`)
-        self.codec = Codec(self.keys, self.values, carries=self.keys.predicts or self.values.predicts, compile=compile)
+        self.keys, self.values = paired(as_chain(keys), as_chain(values))
+        #: the layers with chains of their own (see `layers`), by layer index; head groups paired (`paired`)
+        layers = {layer: paired(*map(as_chain, sides)) for layer, sides in (layers or {}).items()}
+        self.layer_chains = shared_chains(layers, self.keys, self.values)
+        #: encode, decode and decode attention, compiled or not (`Codec.run`); per head group where the heads are
+        #: grouped (`GroupedCodec`)
+        self.codec = (GroupedCodec(self.keys, self.values, compile) if isinstance(self.keys, HeadGroups) else
+                      Codec(self.keys, self.values, carries=self.keys.predicts or self.values.predicts, compile=compile))
         #: what `fit` calibrated the predictors for (see `check_fitted`), or None
         self.fitted_for: dict[str, Any] | None = None
         #: the model `torchkv tune` chose the per-layer chains for (see `check_fitted`), or None

@@ -1,6 +1,8 @@
 """A pipeline described for people: `explain` (how decode attention reads each layer's history) and `describe`
 (its `repr`)."""
 
+from torchkv.pipeline.head_groups import HeadGroups
+
 
 def explain(pipeline, num_layers: int | None = None) -> str:
     """How compiled decode attention reads each layer's history, one line per group of layers read alike:
@@ -18,9 +20,11 @@ def explain(pipeline, num_layers: int | None = None) -> str:
                 why = "the pipeline predicts across layers, and the next layer reads this one's rebuilt keys"
             parts.append(f"{side} {verb} from the stored form" if why is None else f"{side} rebuilt: {why}")
         kernel, refusal = pipe.codec.kernel()
-        parts.append({"kivi": "on CUDA the Triton kernel over KIVI's layout",
-                      "grid": "on CUDA the Triton kernel over grid-coded keys"}.get(kernel)
-                     or f"on CUDA no GPU kernel ({refusal}), Inductor's reductions")
+        kernels = {"kivi": "the Triton kernel over KIVI's layout", "grid": "the Triton kernel over grid-coded keys"}
+        parts.append(f"on CUDA {' and '.join(kernels[k] for k in kernel.split('+'))}" if kernel
+                     else f"on CUDA no GPU kernel ({refusal}), Inductor's reductions")
+        if isinstance(pipe.keys, HeadGroups):
+            parts.append(f"KV heads in {len(pipe.keys.heads)} groups by (key, value) pair, each read as that pair alone")
         if any(getattr(t.config, "query_metric", False) for t in pipe.keys.transforms):
             parts.append("keys encoded by Inductor, not the fused Triton encoder (codes chosen under the queries' "
                          "metric)")
