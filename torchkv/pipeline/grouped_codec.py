@@ -9,7 +9,7 @@ import torch
 
 from torchkv.pipeline.codec import Codec
 from torchkv.pipeline.head_groups import HeadGroups
-from torchkv.pipeline.state import LayerState
+from torchkv.pipeline.state import LayerState, prefixed, substate
 
 
 class GroupedCodec(Codec):
@@ -72,7 +72,12 @@ class GroupedCodec(Codec):
     @staticmethod
     def _own(state: Mapping[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
         """Group i's entries of a layer's state, named as its `Codec` names them."""
-        return {f"{n[0]}.{n[len(f'k.g{i}.'):]}": t for n, t in state.items() if n[1:].startswith(f".g{i}.")}
+        return {n: t for side in "kv" for n, t in prefixed(substate(state, f"{side}.g{i}."), f"{side}.").items()}
+
+    @staticmethod
+    def _named(state: Mapping[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        """Group i's `Codec` state named as the layer's (`_own` undone)."""
+        return {n: t for side in "kv" for n, t in prefixed(substate(state, f"{side}."), f"{side}.g{i}.").items()}
 
     def _layer(self, layer: LayerState, i: int) -> LayerState:
         return LayerState({}, self._own(layer.prepared, i), layer.inputs)
@@ -81,8 +86,8 @@ class GroupedCodec(Codec):
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, layer: LayerState, valid: torch.Tensor | None):
         """Keys and values `[B, H, T, D]` -> the layer's flat state."""
-        return {f"{n[0]}.g{i}.{n[2:]}": t for i, c in enumerate(self.groups)
-                for n, t in c.encode(self._heads(k, i), self._heads(v, i), self._layer(layer, i), valid).items()}
+        return {n: t for i, c in enumerate(self.groups) for n, t in self._named(
+            c.encode(self._heads(k, i), self._heads(v, i), self._layer(layer, i), valid), i).items()}
 
     def decode(self, state: Mapping[str, torch.Tensor], head_dim: int, layer: LayerState):
         """Flat state -> `(k, v)` `[B, H, T, head_dim]` float32."""
