@@ -21,6 +21,7 @@ The full grid of every preset is hours on a 2-core CPU; each run's arguments are
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,20 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
     }
 
 
+def summarize(profiles: list[dict], reference: list[dict]) -> dict:
+    """One row from its rounds' profiles: the median throughputs, and the median of its ratios to the reference row
+    in the same round (paired, so that the machine's drift between rounds cancels); every round's figures are kept."""
+    row = dict(profiles[-1])
+    del row["round"]
+    for what in ("decode", "prefill"):
+        key = f"{what}_tokens_per_s"
+        row[key] = statistics.median(p[key] for p in profiles)
+        row[f"{what}_ratio"] = statistics.median(p[key] / ref[key] for p, ref in zip(profiles, reference))
+    if len(profiles) > 1:
+        row["rounds"] = [{k: p[k] for k in ("decode_tokens_per_s", "prefill_tokens_per_s")} for p in profiles]
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="1024,4096,8192")
@@ -121,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="presets also measured with the whole decode step compiled (rows compiled:PRESET)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-runs", type=int, default=1, help="prefills per row; the median is reported")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times each row of a cell is measured, the rows taken in turn (forward, then backward); "
+                             "medians are reported, ratios paired by round")
     parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/decode/decode_cpu.json")
@@ -131,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baselines", default=",".join(["dynamic", STATIC_BASELINE, *list(BASELINES)[1:]]), help="baseline rows, the first the reference "
                         "of the ratios (a row per process: --baselines dynamic --presets X --append)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: measure each row at least once (--rounds 1)")
     device = torch.device(args.device)
     if args.cells:
         cells = [tuple(int(n) for n in cell.split("x")) for cell in args.cells.split(",")]
@@ -163,20 +183,20 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer = torchkv.load_model(dtype=getattr(torch, dtype))
         model.to(device)
         for context, batch in cells:
-            cell = []
+            rows = {}
             for name in names:
                 for invariant in (False, True) if args.batch_invariant else (False,):
-                    row = method(name)
+                    rows[f"{name} (batch-invariant)" if invariant else name] = row = method(name)
                     row.batch_invariant = invariant
+            rounds = {label: [] for label in rows}
+            for r in range(args.rounds):  # forward, then backward: a drift of the machine's speed weighs every row
+                for label in list(rows)[:: 1 if r % 2 == 0 else -1]:
                     profile = generation_profile(
-                        model, tokenizer, row, context, args.new_tokens, batch, args.prefill_runs)
-                    profile.update(name=f"{name} (batch-invariant)" if invariant else name, dtype=dtype)
-                    cell.append(profile)
+                        model, tokenizer, rows[label], context, args.new_tokens, batch, args.prefill_runs)
+                    profile.update(name=label, dtype=dtype, round=r)
+                    rounds[label].append(profile)
                     print(json.dumps(profile), flush=True)
-            reference = cell[0]
-            for profile in cell:
-                profile["decode_ratio"] = profile["decode_tokens_per_s"] / reference["decode_tokens_per_s"]
-                profile["prefill_ratio"] = profile["prefill_tokens_per_s"] / reference["prefill_tokens_per_s"]
+            cell = [summarize(profiles, rounds[names[0]]) for profiles in rounds.values()]
             results["rows"].extend(cell)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=2))

@@ -2,6 +2,7 @@
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -178,9 +179,10 @@ def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
     out = tmp_path / "decode.json"
     # the whole-step compiled rows (static-compiled, compiled:PRESET) compile SmolLM2 for minutes: tested on a tiny
     # model in tests/models/test_static_cache.py
-    eager = ("--baselines", "dynamic,quanto-4bit,quanto-2bit", "--compiled-presets", "")
+    eager = ("--baselines", "dynamic,quanto-4bit", "--compiled-presets", "")
     done = _run("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32", *eager,
-                "--presets", "kivi-4bit", "--new-tokens", "2", "--kernel-presets", "kivi-2bit", "--out", str(out))
+                "--presets", "kivi-4bit", "--new-tokens", "2", "--kernel-presets", "kivi-2bit", "--rounds", "2",
+                "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     done = _run("benchmarks/decode.py", "--append", "--cells", "512x2", "--dtypes", "float32",
                 "--baselines", "dynamic", "--compiled-presets", "", "--presets", "", "--new-tokens", "2",
@@ -188,10 +190,16 @@ def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())
     assert [(r["name"], r["batch"]) for r in results["rows"]] == [
-        ("dynamic", 1), ("quanto-4bit", 1), ("quanto-2bit", 1), ("kivi-4bit", 1),
-        ("dynamic", 2),
+        ("dynamic", 1), ("quanto-4bit", 1), ("kivi-4bit", 1), ("dynamic", 2),
     ]
     assert len(results["meta"]["runs"]) == 2 and results["rows"][0]["decode_ratio"] == 1.0
+    for row in results["rows"][:3]:  # two rounds, in turn: the row's median and its ratios paired by round
+        rounds = [r["decode_tokens_per_s"] for r in row["rounds"]]
+        assert len(rounds) == 2 and row["decode_tokens_per_s"] == statistics.median(rounds)
+    reference = [r["decode_tokens_per_s"] for r in results["rows"][0]["rounds"]]
+    kivi = [r["decode_tokens_per_s"] for r in results["rows"][2]["rounds"]]
+    assert results["rows"][2]["decode_ratio"] == pytest.approx(statistics.median(k / d for k, d in zip(kivi, reference)))
+    assert "rounds" not in results["rows"][3]
     kernel = results["kernel"][0]
     assert kernel["compressed_bytes"] < kernel["fp32_bytes"] / 5 and kernel["torchkv_ms"] > 0
     main(["report", str(out)])
