@@ -7,12 +7,12 @@ caches and torchkv's, against transformers' StaticCache under CUDA graphs and th
 
 A cell is SHAPE:BATCHxCONTEXT. Rows: `dynamic` (DynamicCache, eager), `static-compiled` (StaticCache, the whole step
 compiled, CUDA graphs on a GPU), a torchkv preset (per-layer path) and `compiled:PRESET` (the whole step compiled
-over a fixed-capacity torchkv cache), as `torchkv.eval.rows.method` builds them. Each row fills its cache with the
-prompt in chunks of at most 4096 tokens (timed: its prefill; a torchkv row's later chunks attend the compressed
-history, as in chunked serving), runs --warmup untimed steps (where compiled rows compile; torchkv rows one chunk of
-steps more) and --steps timed ones. Every run writes its own DIR/gpu_decode_<device>_<timestamp>.{json,md,png}; the JSON and the Markdown are
-rewritten after every row, so a run cut short keeps what it measured. Rows not started by --deadline-seconds are
-recorded as skipped.
+over a fixed-capacity torchkv cache), as `torchkv.eval.rows.method` builds them. Each row fills a cache with a
+prompt in chunks of at most 4096 tokens twice (timed: its first prefill at that size, then the steady one; a torchkv
+row's later chunks attend the compressed history, as in chunked serving), runs --warmup untimed steps on the second
+(where compiled rows compile; torchkv rows one chunk of steps more) and --steps timed ones. Every run writes its own
+DIR/gpu_decode_<device>_<timestamp>.{json,md,png}; the JSON and the Markdown are rewritten after every row, so a run
+cut short keeps what it measured. Rows not started by --deadline-seconds are recorded as skipped.
 """
 
 import argparse
@@ -163,17 +163,24 @@ def warm_up(model, row, batch: int) -> None:
 
 @torch.no_grad()
 def measure_row(model, name: str, batch: int, context: int, steps: int, warmup: int) -> dict:
-    """Prefill a `batch` x `context` random prompt into a fresh cache of row `name` (timed), run `warmup` decode steps
-    (where whole-step graphs compile; torchkv rows run one chunk of steps more, so that the window has filled and
-    encoded a chunk once, compiling what that runs), then time `steps` more. `graphs_compiled` counts the graphs
-    compiled in each phase (0 in the timed steps, or their time includes compilation); `bytes_per_step` is what a
-    step reads at least, the weights and the cache as stored."""
+    """Prefill a `batch` x `context` random prompt into a fresh cache of row `name` twice (each timed; the first,
+    `first_prefill_ms`, also pays what runs once per prompt size, such as Triton specializing Inductor's kernels for
+    new sizes without a Dynamo recompile; the second, `prefill_ms`, is the steady state), run `warmup` decode steps on
+    the second (where whole-step graphs compile; torchkv rows run one chunk of steps more, so that the window has
+    filled and encoded a chunk once, compiling what that runs), then time `steps` more. `graphs_compiled` counts the
+    graphs compiled in each phase (0 in the timed steps, or their time includes compilation); `bytes_per_step` is what
+    a step reads at least, the weights and the cache as stored."""
     row = method(name)
     device = model.device
     chunk = min(context, PREFILL_CHUNK, max(1, PREFILL_TOKENS // batch))
     warmup += 0 if row.pipeline is None else row.pipeline.chunk
     with _compiled_at_first_call(row.pipeline), row.active(model):
         warm_up(model, row, batch)
+        first_ids = random_ids(batch, context, model.config.vocab_size, device, seed=1)
+        cache = row.new_cache(model, max_cache_len=context + warmup + steps)
+        _, first_prefill_s, first_graphs = _timed(device, lambda: prefill(model, cache, first_ids, chunk))
+        del cache, first_ids
+        _free()
         ids = random_ids(batch, context, model.config.vocab_size, device, seed=0)
         cache = row.new_cache(model, max_cache_len=context + warmup + steps)
         forward = row.decode_forward(model)
@@ -182,10 +189,12 @@ def measure_row(model, name: str, batch: int, context: int, steps: int, warmup: 
         logits, prefill_s, prefill_graphs = _timed(device, lambda: prefill(model, cache, ids, chunk))
         logits, warmup_s, warmup_graphs = _timed(device, lambda: decode(forward, model, cache, logits, warmup))
         _, decode_s, decode_graphs = _timed(device, lambda: decode(forward, model, cache, logits, steps))
-    result = {"prefill_ms": 1e3 * prefill_s, "prefill_chunk": chunk, "warmup_steps": warmup, "warmup_s": warmup_s,
+    result = {"first_prefill_ms": 1e3 * first_prefill_s, "prefill_ms": 1e3 * prefill_s, "prefill_chunk": chunk,
+              "warmup_steps": warmup, "warmup_s": warmup_s,
               "ms_per_step": 1e3 * decode_s / steps, "tokens_per_s": batch * steps / decode_s,
               "cache_bytes": cache_nbytes(cache), "whole_step_compiled": row.compiled, "config": row.config(),
-              "graphs_compiled": {"prefill": prefill_graphs, "warmup": warmup_graphs, "timed_steps": decode_graphs}}
+              "graphs_compiled": {"first_prefill": first_graphs, "prefill": prefill_graphs, "warmup": warmup_graphs,
+                                  "timed_steps": decode_graphs}}
     result["bytes_per_step"] = weight_bytes_read(model) + result["cache_bytes"]
     if hasattr(cache, "encoded_bits_per_value"):
         result["bits_per_value"] = cache.encoded_bits_per_value()
@@ -228,9 +237,10 @@ def markdown(results: dict) -> str:
     out = [f"# Decode on {meta['device_name']} ({meta['dtype']}, random weights)", "", meta["random_weights"], "",
            f"Copy bandwidth {meta['copy_bandwidth_bytes_per_s'] / GB:.0f} GB/s; {meta['steps']} timed steps after "
            f"{meta['warmup']} warm-up steps. x static-compiled and x dynamic: their ms over the row's (above 1 is "
-           "faster); prefill / dynamic: the row's prefill time over dynamic's.", ""]
+           "faster); first prefill: the first prompt of the cell's size; prefill: the next one (steady); prefill / "
+           "dynamic: the row's steady prefill time over dynamic's.", ""]
     header = ["row", "ms/step", "tok/s", "x static-compiled", "x dynamic", "cache GB", "bytes/step GB", "GB/s",
-              "% of copy bw", "prefill ms", "prefill / dynamic", "warm-up s"]
+              "% of copy bw", "first prefill ms", "prefill ms", "prefill / dynamic", "warm-up s"]
     for cell in dict.fromkeys((r["shape"], r["batch"], r["context"]) for r in results["rows"]):
         lines = []
         for r in (r for r in results["rows"] if (r["shape"], r["batch"], r["context"]) == cell):
@@ -242,7 +252,8 @@ def markdown(results: dict) -> str:
                           _fmt(r.get("x_static_compiled"), ".2f"), _fmt(r.get("x_dynamic"), ".2f"),
                           _fmt(r["cache_bytes"] / GB, ".2f"), _fmt(r["bytes_per_step"] / GB, ".2f"),
                           _fmt(r["bytes_per_s"] / GB, ".0f"), _fmt(100 * r["fraction_of_copy_bandwidth"], ".0f"),
-                          _fmt(r.get("prefill_ms"), ".0f"), _fmt(r.get("prefill_x_dynamic"), ".2f"),
+                          _fmt(r.get("first_prefill_ms"), ".0f"), _fmt(r.get("prefill_ms"), ".0f"),
+                          _fmt(r.get("prefill_x_dynamic"), ".2f"),
                           _fmt(r.get("warmup_s"), ".1f")])
         out += [f"## {cell[0]} batch {cell[1]} x {cell[2]} tokens", "", *_table(header, lines), ""]
     kernels = results.get("kernel", [])
