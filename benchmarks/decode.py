@@ -79,6 +79,9 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
     pipe = torchkv.KVPipeline.from_preset(preset, residual=128, compile=True)
     gen = torch.Generator().manual_seed(0)
     n_enc = (context - 128) // pipe.chunk * pipe.chunk
+    if n_enc <= 0:
+        raise ValueError(f"a kernel row of {preset} needs a context of at least {128 + pipe.chunk} tokens (the "
+                         f"128-token window and one {pipe.chunk}-token chunk), not {context}")
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype)

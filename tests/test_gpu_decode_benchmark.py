@@ -78,3 +78,22 @@ def test_a_prompt_fed_in_chunks_compiles_nothing_in_its_timed_prefill(monkeypatc
     row = gpu_decode.measure_row(model, "kivi-2bit", batch=1, context=512, steps=1, warmup=1)
     assert row["prefill_chunk"] == 128
     assert row["graphs_compiled"]["prefill"] == 0, row["graphs_compiled"]
+
+
+def test_a_kernel_row_without_one_encoded_chunk_is_refused_with_the_context_it_needs():
+    with pytest.raises(ValueError, match=r"kivi-2bit needs a context of at least 160 tokens .* not 96"):
+        gpu_decode.kernel_row("kivi-2bit", 96, 1, torch.device("cpu"))
+
+
+def test_profile_decode_profiles_a_random_weights_shape_without_smollm2(tmp_path):
+    spec = importlib.util.spec_from_file_location("profile_decode", Path(__file__).parents[1] / "benchmarks" /
+                                                  "profile_decode.py")
+    profile_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_decode)
+    out = tmp_path / "profile.json"
+    result = profile_decode.main(["--shape", "tiny", "--preset", "kivi-2bit", "--context", "300", "--batch", "2",
+                                  "--steps", "2", "--top", "5", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert (result["model"], result["batch"], result["device"]) == ("tiny", 2, "cpu")
+    assert len(result["top"]) == 5 and result["self_cpu_ms_per_step"] > 0 and result["self_device_ms_per_step"] is None
+    assert all(op["calls_per_step"] > 0 and op["ms_per_step"] > 0 for op in result["top"])
