@@ -164,8 +164,8 @@ def warm_up(model, row, batch: int) -> None:
 @torch.no_grad()
 def measure_row(model, name: str, batch: int, context: int, steps: int, warmup: int) -> dict:
     """Prefill a `batch` x `context` random prompt into a fresh cache of row `name` twice (each timed; the first,
-    `first_prefill_ms`, also pays what runs once per prompt size, such as Triton specializing Inductor's kernels for
-    new sizes without a Dynamo recompile; the second, `prefill_ms`, is the steady state), run `warmup` decode steps on
+    `first_prefill_ms`, also pays what runs once per prompt size without a Dynamo recompile, on a GPU likely Triton
+    specializing Inductor's kernels for new sizes; the second, `prefill_ms`, is the steady state), run `warmup` steps on
     the second (where whole-step graphs compile; torchkv rows run one chunk of steps more, so that the window has
     filled and encoded a chunk once, compiling what that runs), then time `steps` more. `graphs_compiled` counts the
     graphs compiled in each phase (0 in the timed steps, or their time includes compilation); `bytes_per_step` is what
