@@ -161,6 +161,12 @@ def warm_up(model, row, batch: int) -> None:
             decode(model, model, cache, logits, WARM_STEPS)
 
 
+def untimed_steps(row, warmup: int) -> int:
+    """Decode steps to run before timing: `warmup`, and for a torchkv row one chunk of steps more, so that its window
+    has filled and encoded a chunk once, compiling what that runs."""
+    return warmup + (0 if row.pipeline is None else row.pipeline.chunk)
+
+
 @torch.no_grad()
 def measure_row(model, name: str, batch: int, context: int, steps: int, warmup: int) -> dict:
     """Prefill a `batch` x `context` random prompt into a fresh cache of row `name` twice (each timed; the first,
@@ -173,7 +179,7 @@ def measure_row(model, name: str, batch: int, context: int, steps: int, warmup: 
     row = method(name)
     device = model.device
     chunk = min(context, PREFILL_CHUNK, max(1, PREFILL_TOKENS // batch))
-    warmup += 0 if row.pipeline is None else row.pipeline.chunk
+    warmup = untimed_steps(row, warmup)
     with _compiled_at_first_call(row.pipeline), row.active(model):
         warm_up(model, row, batch)
         first_ids = random_ids(batch, context, model.config.vocab_size, device, seed=1)

@@ -28,8 +28,8 @@ _spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).with
 gpu_decode = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_decode)
 
-#: untimed decode steps before the profiled ones (a torchkv row runs its chunk length more)
-WARM_STEPS = 3
+#: untimed decode steps before the profiled ones, as `gpu_decode.py --warmup` (a torchkv row runs a chunk more)
+WARMUP = 3
 
 
 @torch.no_grad()
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         model.to(device, dtype)
         ids = token_stream(tokenizer, "eval")[None, : args.context].expand(args.batch, -1).to(device)
     row = method(args.preset)
-    warm = WARM_STEPS + (0 if row.pipeline is None else row.pipeline.chunk)
+    warm = gpu_decode.untimed_steps(row, WARMUP)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with _compiled_at_first_call(row.pipeline), row.active(model):
         cache = row.new_cache(model, max_cache_len=args.context + warm + args.steps)
