@@ -239,28 +239,28 @@ def test_grid_many_splits_combine():
 @pytest.mark.parametrize("preset, capacity", [("kivi-2bit", None), ("kivi-2bit", 200), ("frontier-2bit", None)])
 def test_a_model_decodes_through_the_kernel(preset, capacity, monkeypatch):
     """A padded batch on a tiny model with sinks: the kernel path (growing store or fixed-capacity buffers, one
-    launch per row group) gives the logits of the Inductor path across window flushes; frontier's first layer
-    at 4 bits (2-D grid) and its second at 2 (4-D grid), each through its own kernel launch. Each row's window
-    (36 and 27 tokens after the prompt's chunk, of at most 16 + 32) flushes once in the 25 decode steps."""
+    launch per row group) gives the logits of eager decode (`compile=False`) across window flushes; frontier's
+    first layer at 4 bits (2-D grid) and its second at 2 (4-D grid), each through its own kernel launch. Each row's
+    window (44 and 41 tokens after the prompt's chunk, of at most 16 + 32) flushes once in the 9 decode steps."""
     model = tiny_model("llama").to(DEVICE)
-    ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    ids = torch.randint(3, 128, (2, 78), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones_like(ids)
-    mask[0, :9] = 0
+    mask[0, :3] = 0
     logits, launches = {}, _Launches(triton_decode._combine_kernel)
     monkeypatch.setattr(triton_decode, "_combine_kernel", launches)
     for kernel in (False, True):
         monkeypatch.setattr(triton_decode, "runs_on", lambda device, kernel=kernel: kernel)
         options = {"wide_layers": 1} if preset.startswith("frontier") else {}
-        pipe = torchkv.KVPipeline.from_preset(preset, residual=16, sinks=2, compile=True, **options)  # own graphs
+        pipe = torchkv.KVPipeline.from_preset(preset, residual=16, sinks=2, compile=kernel, **options)  # own graphs
         with torchkv.patched(model, pipe):
             cache = torchkv.new_cache(model, max_cache_len=capacity)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=26, do_sample=False,
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True,
                                  **cache_argument(model, cache))
         logits[kernel] = torch.stack(out.logits)
         assert [int(s.n_encoded) for s in cache.layers[0].stores()] == [64, 64]  # each row's prompt chunk and flush
-        groups = 2  # the two rows (pads 9 and 0, with sinks) are held in row groups of their own
-        assert launches.count == (25 * model.config.num_hidden_layers * groups if kernel else 0)
+        groups = 2  # the two rows (pads 3 and 0, with sinks) are held in row groups of their own
+        assert launches.count == (9 * model.config.num_hidden_layers * groups if kernel else 0)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 
