@@ -156,6 +156,14 @@ def test_compiled_step_flushes_from_the_host_only_when_the_window_fills(monkeypa
         got = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 80, forward=mixed)
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
 
+    # the step's guards leave out the model's modules, not the cache's tensors: the same callable over a batch of two
+    # compiles a graph of its own and gives eager's logits
+    ids, _ = _prompt(batch=2, pad=0, length=45)
+    with torchkv.patched(model, pipe):
+        eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 40)
+        compiled = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 40, forward=step)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
 
 def _decode_padded(model, ids, mask, steps, forward, capacity):
     """`_decode` for a left-padded batch (positions counted from each row's first real token); returns the logits
