@@ -21,10 +21,8 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) -m torchkv eval --quick --presets kivi-4bit,kivi-2bit,frontier-2bit,quanto-4bit --out benchmarks/results/quick/quick.json
 
-# one test process per CPU (pytest-xdist), each with one torch thread: most of the suite's time is single-threaded
-# (Dynamo tracing, Triton's interpreter), so two processes on two cores take about half the time of one
 test: setup
-	$(PY) -m pytest -m "not slow" -n logical --dist loadfile --durations=60 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" --durations=60 $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -15,8 +15,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("torchkv")
-# under pytest-xdist (`make test`) each worker process takes one thread of its own core
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, os.cpu_count() or 1))
+torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
