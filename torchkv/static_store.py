@@ -212,26 +212,31 @@ class StaticKVStore:
         """What `_encode_window` returns when the window is not full: the spare chunk slot's content, unchanged."""
         return tuple(spare.clone() for spare in operands[: len(self.rows)])
 
-    def _flush(self) -> None:
+    def _flush(self, known_full: bool = False) -> None:
         """If the window is full, encode its oldest chunk into the next chunk slot and shift the window.
 
         A compiled step on the CPU holds both branches under `torch.cond` and runs one, so a step whose window is
         not full encodes nothing (frontier-2bit's whole step at 1K: 22 tokens/s against 18.6 encoding every step).
         On CUDA the step stays branch-free so that CUDA graphs capture it whole (Inductor runs a `torch.cond` from
-        the host): it encodes the chunk every step, and a chunk not kept lands in the spare slot."""
+        the host): it encodes the chunk every step, and a chunk not kept lands in the spare slot. Eagerly, and when
+        the host has counted a full window (`known_full`), the flush reads no count from the device and selects
+        nothing."""
         buf, c, w = self.buffers, self.chunk, self.window
-        full = buf["n_residual"] == w
         compiling = torch.compiler.is_compiling()
-        if not compiling and not bool(full):
-            return
+        full = None if known_full else buf["n_residual"] == w  # None: known to be full
+        if full is not None and not compiling:
+            if not bool(full):
+                return
+            full = None
         window = (buf["res_k"][:, :, :c], buf["res_v"][:, :, :c], buf["res_valid"][:, :c].to(torch.uint8))
         spares = (buf[f"encoded.{n}"][:, :, self.chunks * rows:] for n, rows in self.rows.items())
         operands = (*window, *spares, *self.prepared.values(), *self.params.values())
-        if compiling and full.device.type == "cpu":
+        if full is not None and full.device.type == "cpu":
             encoded = torch.cond(full, self._encode_window, self._no_chunk, operands)
         else:
             encoded = self._encode_window(*operands)
-        target = torch.where(full, buf["n_chunks"], self.chunks)  # the spare chunk slot when not full
+        # the spare chunk slot when not full
+        target = buf["n_chunks"] if full is None else torch.where(full, buf["n_chunks"], self.chunks)
         for (name, rows), t in zip(self.rows.items(), encoded):
             index = target * rows + torch.arange(rows, device=t.device)
             _bits(buf[f"encoded.{name}"]).index_copy_(2, index, _bits(t))
@@ -240,9 +245,10 @@ class StaticKVStore:
             kept, old = t.narrow(axis, c, w - c), t.narrow(axis, 0, w - c)
             # the kept tokens copied out first: where the two ranges overlap (a window longer than two chunks),
             # Inductor's in-place shift read slots it had already written (compiled steps 0.35 off eager in logits)
-            old.copy_(torch.where(full, materialized(kept), old))
-        buf["n_residual"].sub_(full.long() * c)
-        buf["n_chunks"].add_(full.long())
+            kept = materialized(kept)
+            old.copy_(kept if full is None else torch.where(full, kept, old))
+        buf["n_residual"].sub_(c if full is None else full.long() * c)
+        buf["n_chunks"].add_(1 if full is None else full.long())
 
     def decode_step(
         self,
@@ -294,7 +300,7 @@ class StaticKVStore:
             sinks, window = self._held
             sinks, window = (sinks + 1, window) if sinks < self.sinks else (sinks, window + 1)
         if window == self.window:
-            self._flush()
+            self._flush(known_full=True)
             window -= self.chunk
         self._held = (sinks, window)
 
