@@ -251,7 +251,7 @@ def test_a_model_decodes_through_the_kernel(preset, capacity, monkeypatch):
     for kernel in (False, True):
         monkeypatch.setattr(triton_decode, "runs_on", lambda device, kernel=kernel: kernel)
         options = {"wide_layers": 1} if preset.startswith("frontier") else {}
-        pipe = torchkv.KVPipeline.from_preset(preset, residual=16, sinks=2, compile=kernel, **options)  # own graphs
+        pipe = torchkv.KVPipeline.from_preset(preset, residual=16, sinks=2, compile=kernel, **options)  # or eager
         with torchkv.patched(model, pipe):
             cache = torchkv.new_cache(model, max_cache_len=capacity)
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
