@@ -8,6 +8,7 @@ from transformers import DynamicCache
 import torchkv
 from torchkv.corpora import split_text
 from torchkv.eval.rows import cache_nbytes
+from torchkv.models import cache_argument  # `cache=` from transformers 5.24 on, `past_key_values=` before
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,11 +27,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with torch.no_grad():
         full_cache = DynamicCache(config=model.config)
-        full = model.generate(**inputs, past_key_values=full_cache, **settings)
+        full = model.generate(**inputs, **cache_argument(model, full_cache), **settings)
 
         model = torchkv.patch(model, args.preset)  # the one call; generate() now uses the compressed cache
         cache = torchkv.new_cache(model)  # passed only to read its size afterwards
-        compressed = model.generate(**inputs, past_key_values=cache, **settings)
+        compressed = model.generate(**inputs, **cache_argument(model, cache), **settings)
         torchkv.unpatch(model)
 
     full_bytes, small_bytes = cache_nbytes(full_cache), cache.nbytes()

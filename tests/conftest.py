@@ -19,12 +19,14 @@ torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
-def compile_auto_at_first_call(monkeypatch):
+def compile_auto_at_first_call(request, monkeypatch):
     """`compile="auto"` (the default) compiles at a function's first call in tests, so that they exercise the
-    compiled path they were written for; `tests/test_compile_auto.py` tests the deferral itself."""
+    compiled path they were written for, except in tests marked `eager_first`; `tests/test_compile_auto.py` tests
+    the deferral itself."""
     import torchkv.pipeline
 
-    monkeypatch.setattr(torchkv.pipeline.codec, "EAGER_CALLS_BEFORE_COMPILE", 0)
+    if request.node.get_closest_marker("eager_first") is None:
+        monkeypatch.setattr(torchkv.pipeline.codec, "EAGER_CALLS_BEFORE_COMPILE", 0)
 
 
 @pytest.fixture(scope="session")

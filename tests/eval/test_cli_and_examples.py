@@ -1,5 +1,6 @@
 """The command line, the examples and the README, run as a user would."""
 
+import importlib.util
 import json
 import re
 import statistics
@@ -17,6 +18,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+#: as a user runs them: compile='auto' runs its first calls eagerly
+pytestmark = pytest.mark.eager_first
+
+
+@pytest.fixture
+def script(capsys):
+    """`script(PATH, *ARGS)`: what `python PATH ARGS` prints, run in this process (its `main`, without a fresh
+    interpreter's ~7 s of imports; `test_module_entry_point` starts one)."""
+
+    def run(path: str, *args: str) -> str:
+        spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        capsys.readouterr()
+        module.main(list(args))
+        return capsys.readouterr().out
+
+    return run
 
 
 def test_presets_command_lists_the_registry(capsys):
@@ -69,48 +90,43 @@ def test_readme_presets_table_is_generated_from_the_registry():
 
 
 @pytest.mark.model
-def test_quickstart_example():
-    done = _run("examples/quickstart.py", "--max-new-tokens", "12", "--context-chars", "3000")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"KV cache: [\d.]+ MiB -> [\d.]+ MiB \(\d+% saved", done.stdout)
+def test_quickstart_example(script):
+    out = script("examples/quickstart.py", "--max-new-tokens", "12", "--context-chars", "3000")
+    assert re.search(r"KV cache: [\d.]+ MiB -> [\d.]+ MiB \(\d+% saved", out)
 
 
 @pytest.mark.model
-def test_compose_method_example():
-    done = _run("examples/compose_method.py", "--docs", "1", "--length", "512")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "hadamard-2bit" in done.stdout and "kivi-2bit" in done.stdout
+def test_compose_method_example(script):
+    out = script("examples/compose_method.py", "--docs", "1", "--length", "512")
+    assert "hadamard-2bit" in out and "kivi-2bit" in out
 
 
 @pytest.mark.model
-def test_evaluate_example(tmp_path):
+def test_evaluate_example(tmp_path, script):
     out = tmp_path / "e.json"
     # the quanto baselines' rows are run_eval's (tests/eval/test_eval.py); here they would double the time
-    done = _run("examples/evaluate.py", "--context", "256", "--cases", "2", "--presets", "kivi-4bit", "--no-baselines",
-                "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
+    printed = script("examples/evaluate.py", "--context", "256", "--cases", "2", "--presets", "kivi-4bit",
+                      "--no-baselines", "--out", str(out))
     assert out.is_file() and (tmp_path / "ppl_vs_bits.png").is_file()
-    assert "| kivi-4bit |" in done.stdout and "| dynamic |" in done.stdout and "| quanto" not in done.stdout
+    assert "| kivi-4bit |" in printed and "| dynamic |" in printed and "| quanto" not in printed
 
 
 @pytest.mark.model
-def test_frontier_example():
-    done = _run("examples/frontier.py", "--tokens", "384", "--max-new-tokens", "4")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "every layer: keys scored from the stored form; values summed from the stored form" in done.stdout
-    ppl = {name: float(v) for name, v in re.findall(r"^(\S+): perplexity ([\d.]+)$", done.stdout, re.M)}
-    assert set(ppl) == {"dynamic", "kivi-2bit", "frontier-2.5bit"}, done.stdout
+def test_frontier_example(script):
+    out = script("examples/frontier.py", "--tokens", "384", "--max-new-tokens", "4")
+    assert "every layer: keys scored from the stored form; values summed from the stored form" in out
+    ppl = {name: float(v) for name, v in re.findall(r"^(\S+): perplexity ([\d.]+)$", out, re.M)}
+    assert set(ppl) == {"dynamic", "kivi-2bit", "frontier-2.5bit"}, out
     assert ppl["frontier-2.5bit"] < ppl["kivi-2bit"]
-    assert "frontier-2.5bit continues:" in done.stdout
+    assert "frontier-2.5bit continues:" in out
 
 
 @pytest.mark.model
-def test_squat_example():
-    done = _run("examples/squat.py", "--tokens", "384", "--max-new-tokens", "4")
-    assert done.returncode == 0, done.stderr[-2000:]
-    errors = dict(re.findall(r"^(\S+): 3\.00 bits/value, decode queries' mean \|q·δ\| = ([\d.]+)$", done.stdout, re.M))
-    assert set(errors) == {"kivi-2bit", "squat-2bit"}, done.stdout
-    assert "squat-2bit continues:" in done.stdout
+def test_squat_example(script):
+    out = script("examples/squat.py", "--tokens", "384", "--max-new-tokens", "4")
+    errors = dict(re.findall(r"^(\S+): 3\.00 bits/value, decode queries' mean \|q·δ\| = ([\d.]+)$", out, re.M))
+    assert set(errors) == {"kivi-2bit", "squat-2bit"}, out
+    assert "squat-2bit continues:" in out
 
 
 @pytest.mark.model
@@ -175,19 +191,16 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
 
 
 @pytest.mark.model
-def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path):
+def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path, script):
     out = tmp_path / "decode.json"
     # the whole-step compiled rows (static-compiled, compiled:PRESET) compile SmolLM2 for minutes: tested on a tiny
     # model in tests/models/test_static_cache.py
     eager = ("--baselines", "dynamic,quanto-4bit", "--compiled-presets", "")
-    done = _run("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32", *eager,
-                "--presets", "kivi-4bit", "--new-tokens", "2", "--kernel-presets", "kivi-2bit", "--rounds", "2",
-                "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
-    done = _run("benchmarks/decode.py", "--append", "--cells", "512x2", "--dtypes", "float32",
-                "--baselines", "dynamic", "--compiled-presets", "", "--presets", "", "--new-tokens", "2",
-                "--kernel-presets", "", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
+    script("benchmarks/decode.py", "--contexts", "512", "--batches", "1", "--dtypes", "float32", *eager,
+           "--presets", "kivi-4bit", "--new-tokens", "2", "--kernel-presets", "kivi-2bit", "--rounds", "2",
+           "--out", str(out))
+    script("benchmarks/decode.py", "--append", "--cells", "512x2", "--dtypes", "float32", "--baselines", "dynamic",
+           "--compiled-presets", "", "--presets", "", "--new-tokens", "2", "--kernel-presets", "", "--out", str(out))
     results = json.loads(out.read_text())
     assert [(r["name"], r["batch"]) for r in results["rows"]] == [
         ("dynamic", 1), ("quanto-4bit", 1), ("kivi-4bit", 1), ("dynamic", 2),

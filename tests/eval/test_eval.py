@@ -15,7 +15,8 @@ from torchkv.eval.rows import cache_nbytes, method
 from torchkv.eval.runner import EvalSettings, run_eval
 from torchkv.models import cache_argument
 
-pytestmark = pytest.mark.model
+# the harness is the subject: compile='auto' runs as in a user's short evaluation, eagerly
+pytestmark = [pytest.mark.model, pytest.mark.eager_first]
 
 
 def test_splits_are_fixed_and_disjoint():

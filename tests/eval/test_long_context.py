@@ -8,7 +8,8 @@ from torchkv.cli import main
 from torchkv.eval import long_context, long_report
 from torchkv.eval.long_context import run_needle, run_suite
 
-pytestmark = pytest.mark.model
+# the harness is the subject: compile='auto' runs as in a user's short evaluation, eagerly
+pytestmark = [pytest.mark.model, pytest.mark.eager_first]
 
 TOO_LONG = 16384  # SmolLM2 has 8192 positions
 REASON = f"smollm2-135m has 8192 positions; a {TOO_LONG}-token context does not fit"

@@ -11,7 +11,8 @@ from torchkv.eval.rows import Method, method
 from torchkv.eval.through_cache import Request, generate, rolling_logprob, score
 from torchkv.pipeline import KVPipeline
 
-pytestmark = pytest.mark.model
+# the harness is the subject: compile='auto' runs as in a user's short evaluation, eagerly
+pytestmark = [pytest.mark.model, pytest.mark.eager_first]
 
 
 def _eager(name: str) -> Method:

@@ -11,6 +11,7 @@ from torchkv.models import cache_argument
 from torchkv.pipeline import HeadGroups
 from torchkv.store import KVStore
 from torchkv.testing import tiny_model
+from torchkv.window import PromptOnly
 
 
 @pytest.mark.parametrize(
@@ -93,12 +94,14 @@ COMPILED_DECODE = {
 @pytest.mark.model
 @pytest.mark.parametrize("case", COMPILED_DECODE.values(), ids=COMPILED_DECODE.keys())
 def test_compiled_decode_matches_eager_and_never_rebuilds_the_history(smollm2, case, monkeypatch):
-    """Teacher-forced decode steps after a 700-token prompt: the compiled step (one graph per layer over the stored
-    form) gives the eager pipeline's logits, and never calls `KVStore.history` (reconstruct, then concatenate)."""
+    """Teacher-forced decode steps after a 764-token prompt: the compiled step (one graph per layer over the stored
+    form) gives the eager pipeline's logits, and never calls `KVStore.history` (reconstruct, then concatenate). The
+    prompt leaves every window within 8 tokens of its flush, so the steps also encode a chunk (except where only the
+    prompt is encoded)."""
     factory, fused = case
     model, tokenizer = smollm2
-    ids = documents(tokenizer, 740, 1)
-    prompt, tokens = ids[:, :700], ids[:, 700:]
+    ids = documents(tokenizer, 776, 1)
+    prompt, tokens = ids[:, :764], ids[:, 764:]
     pipe, reference_pipe = factory(True), factory(False)
     assert pipe.fused == fused and not reference_pipe.fused
     steps = []
@@ -106,9 +109,12 @@ def test_compiled_decode_matches_eager_and_never_rebuilds_the_history(smollm2, c
         with torchkv.patched(model, p), torch.no_grad():
             cache = torchkv.new_cache(model)
             model(prompt, **cache_argument(model, cache))
+            encoded = cache.layers[0].store.n_encoded
             if p is pipe:
                 monkeypatch.setattr(KVStore, "history", lambda self: pytest.fail("history reconstructed in decode"))
             steps.append(torch.stack([model(tokens[:, i : i + 1], **cache_argument(model, cache)).logits[0, -1]
                                       for i in range(tokens.shape[1])]))
             monkeypatch.undo()
+            flushed = cache.layers[0].store.n_encoded > encoded
+            assert flushed != isinstance(p.window, PromptOnly), f"flushed: {flushed}, window: {p.window}"
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=2e-3)

@@ -54,6 +54,7 @@ def test_patch_returns_the_model_and_unpatch_restores_exact_logits(smollm2, long
     assert len(model._forward_pre_hooks) == hooks and torchkv.pipeline_of(model) is None
 
 
+@pytest.mark.eager_first
 def test_fp16_preset_matches_dynamic_cache_for_64_tokens(smollm2, long_prompt, reference_generation):
     model, _ = smollm2
     got = _generate(model, long_prompt, "fp16")
@@ -87,6 +88,7 @@ def _passkey_prompt(tokenizer, seed: int):
     return code, tokenizer(prompt, return_tensors="pt")
 
 
+@pytest.mark.eager_first
 def test_kivi_4bit_still_answers_a_fact_stated_early(smollm2):
     model, tokenizer = smollm2
     for seed in range(3):
@@ -110,6 +112,7 @@ def _second_block_kl(model, ids, preset):
     return float(torch.nn.functional.kl_div(torch.log_softmax(logits, -1), reference, log_target=True, reduction="batchmean"))
 
 
+@pytest.mark.eager_first
 def test_residual_zero_really_compresses(smollm2, long_prompt):
     """With no full-precision window the output moves by what each bit width predicts: a silently
     uncompressed cache (KL = 0) fails, and so does a broken one (large KL at 8 bits)."""
@@ -124,6 +127,7 @@ def test_residual_zero_really_compresses(smollm2, long_prompt):
     assert 0.01 < kl[2] < 2.0
 
 
+@pytest.mark.eager_first
 def test_cache_bytes_after_generation(smollm2):
     model, tokenizer = smollm2
     prompt = documents(tokenizer, 2040, 1)
@@ -140,6 +144,7 @@ def test_cache_bytes_after_generation(smollm2):
     assert cache.encoded_bits_per_value() == pytest.approx(3.0)
 
 
+@pytest.mark.eager_first
 def test_left_padded_batch_gives_each_row_its_own_tokens(smollm2, long_prompt):
     model, _ = smollm2
     a, b = long_prompt[:, :300], long_prompt[:, 400:640]
@@ -156,6 +161,7 @@ def test_left_padded_batch_gives_each_row_its_own_tokens(smollm2, long_prompt):
         assert torch.equal(both[1, 300:], alone_b[0, 240:]), preset
 
 
+@pytest.mark.eager_first
 def test_beam_search_and_sampling(smollm2, long_prompt):
     model, _ = smollm2
     prompt = long_prompt[:, :300]
@@ -171,6 +177,7 @@ def test_beam_search_and_sampling(smollm2, long_prompt):
     assert torch.equal(s1, s2) and s1.shape == (1, 312)
 
 
+@pytest.mark.eager_first
 def test_one_model_serves_many_generate_calls(smollm2, long_prompt):
     model, _ = smollm2
     prompt = long_prompt[:, :200]
