@@ -14,14 +14,12 @@ import torchkv
 from torchkv.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
+#: as a user runs them: compile='auto' runs its first calls eagerly
+pytestmark = pytest.mark.eager_first
 
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-#: as a user runs them: compile='auto' runs its first calls eagerly
-pytestmark = pytest.mark.eager_first
 
 
 @pytest.fixture
