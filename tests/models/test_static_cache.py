@@ -204,6 +204,23 @@ def test_the_host_flushes_each_row_group_as_its_step_would(monkeypatch):
     torch.testing.assert_close(by_host, in_step, atol=0, rtol=0)
 
 
+@pytest.mark.eager_first  # the step's graph is the subject: prompts and eager steps run as users get them
+@torch.no_grad()
+def test_compiled_step_over_a_padded_batch_compiles_one_graph():
+    """`compile_decode_step` over a left-padded batch whose 2-D mask grows by a column per step: the step pads it to
+    the cache's capacity, so 12 steps (past Dynamo's recompile limit of 8, where it stopped with an error) and a
+    flush of each row group run one graph, with eager's logits."""
+    model = tiny_model("llama")
+    ids, mask = _prompt(batch=2, length=60, pad=13)
+    pipe = torchkv.KVPipeline.from_preset("kivi-2bit", residual=8, group=8, sinks=2)
+    with torchkv.patched(model, pipe):
+        eager, _ = _decode_padded(model, ids, mask, 12, model, 100)
+        graphs = counters["stats"]["unique_graphs"]
+        compiled, _ = _decode_padded(model, ids, mask, 12, torchkv.compile_decode_step(model), 100)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
 def test_generate_compiles_the_step_with_a_compile_config():
     model = tiny_model("llama")
     ids, mask = _prompt(batch=1, pad=0)

@@ -21,7 +21,9 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
     (`torchkv.new_cache(model, max_cache_len=N)`), the step graph only writes the new token and attends: after
     each step the host counts the token and, on the steps that fill the window (one in `chunk`), encodes the
     window's oldest chunk outside the graph. A step compiled without this callable encodes a chunk inside every
-    step on CUDA (kept only when the window is full), which CUDA graphs need to capture the step whole.
+    step on CUDA (kept only when the window is full), which CUDA graphs need to capture the step whole. A padded
+    batch's 2-D `attention_mask`, one column longer at every step, is padded with zeros to the cache's capacity
+    (as transformers pads it for a fixed-capacity cache), so that every step has the shapes of the first.
 
     Dynamo checks a graph's guards on the host before every call. Those on the model's modules (their attributes,
     hooks and parameters) are left out: the 1B shape's 16-layer step (`compiled:kivi-2bit`) checked its guards in
@@ -47,6 +49,8 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
         frozen = []
         if isinstance(cache, TorchKVCache) and tokens == 1:
             frozen = [store for layer in cache.layers for store in layer.frozen_stores() or []]
+        if frozen and kwargs.get("attention_mask") is not None:
+            kwargs["attention_mask"] = _to_capacity(kwargs["attention_mask"], cache.layers[0].get_mask_sizes(1)[0])
         for store in frozen:  # only while this callable steps: another caller's steps flush inside the graph
             store.host_flush = True
         try:
@@ -59,6 +63,14 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
         return out
 
     return step
+
+
+def _to_capacity(mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A 2-D padding mask `[B, T]` padded with zeros to `[B, capacity]`, as transformers pads it for a fixed-capacity
+    cache: the same shape at every step. Other masks are returned as they are."""
+    if mask.dim() != 2 or mask.shape[1] >= capacity:
+        return mask
+    return torch.nn.functional.pad(mask, (0, capacity - mask.shape[1]))
 
 
 def with_whole_step_options(config: CompileConfig) -> CompileConfig:
