@@ -94,6 +94,7 @@ def test_centring_removes_what_per_token_codes_would_spend_their_bits_on(offset,
 
 
 @pytest.mark.model
+@pytest.mark.eager_first
 def test_real_keys_quantize_better_on_the_4d_grid_and_decode_reads_them(smollm2):
     """SmolLM2's post-RoPE keys and values: the 4-D grid beats the 2-D grid at the same bits, and a patched
     generate() runs with every layer read from its stored form."""

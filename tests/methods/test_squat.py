@@ -132,6 +132,7 @@ def test_decode_queries_see_less_key_error_than_kivi_on_smollm2(smollm2, real_qk
 
 @pytest.mark.model
 @pytest.mark.parametrize("name", ["squat-2bit", "squat-pre-2bit"])
+@pytest.mark.eager_first
 def test_patched_smollm2_generates_through_the_compressed_cache(smollm2, name):
     model, tokenizer = smollm2
     prompt = documents(tokenizer, 1000, 1)

@@ -246,6 +246,7 @@ def test_values_summed_in_the_latent_equal_sums_of_rematerialized_values(form, b
 # -- presets, the MHA/GQA choice, memory ----------------------------------------------------------------------------
 
 
+@pytest.mark.eager_first
 def test_auto_picks_mha_or_gqa_from_the_shapes_and_accounts_real_storage():
     for kv_heads, form, keys_bits, values_bits in ((4, "mha", 4 + 32 / 64, 0.0), (2, "gqa", 4 + 32 / 128, 4 + 32 / 64)):
         model = tiny_model(heads=4, kv_heads=kv_heads, layers=2)

@@ -36,6 +36,7 @@ def _generate(model, prompt, preset, n=64):
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False)
 
 
+@pytest.mark.eager_first
 def test_patch_returns_the_model_and_unpatch_restores_exact_logits(smollm2, long_prompt):
     model, _ = smollm2
     ids = long_prompt[:, :200]
@@ -187,6 +188,7 @@ def test_one_model_serves_many_generate_calls(smollm2, long_prompt):
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
 
 
+@pytest.mark.eager_first
 def test_accelerate_device_map_keeps_each_layer_cache_on_its_device():
     """A model dispatched by accelerate, one device-map entry per layer (all "cpu" here, so the hooks that
     move tensors between devices run; on several GPUs each entry names its GPU)."""
@@ -247,6 +249,7 @@ def test_without_a_cache_the_patched_model_attends_over_its_inputs(smollm2, long
     torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.eager_first
 def test_generate_reads_and_writes_the_compressed_cache(smollm2, long_prompt):
     """generate() passes its cache as `cache` (transformers >= 5.24) or `past_key_values`: either way the
     generation runs through a torchkv cache that holds encoded tokens, not a DynamicCache beside it."""
