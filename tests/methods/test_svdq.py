@@ -252,6 +252,7 @@ def test_full_budget_sparse_equals_dense_on_padded_batches_and_sliding_windows(a
 
 
 @pytest.mark.model
+@pytest.mark.eager_first  # the keys' error is the subject (svdq's compiled encode: tests/test_pipeline.py)
 def test_smollm2_keys_svdq_beats_per_channel_2bit(smollm2):
     """The paper's central claim on real keys (512 held-out tokens, all 30 layers): svdq-2bit's key error
     is at least 2x lower than per-channel 2-bit quantization over the same 128-token ranges, and

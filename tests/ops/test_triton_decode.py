@@ -22,10 +22,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-def _pipeline(bits: int, key_group: int, value_group: int) -> torchkv.KVPipeline:
+def _pipeline(bits: int, key_group: int, value_group: int, compile: bool | str = "auto") -> torchkv.KVPipeline:
     return torchkv.KVPipeline(
         keys=[T.quantize(bits=bits, axis="channel", group=key_group), T.pack()],
         values=[T.quantize(bits=bits, axis="token", group=value_group), T.pack()],
+        compile=compile,
     )
 
 
@@ -76,13 +77,15 @@ def _history_mask(c, tokens: int, chunk: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _inputs(c):
+    """The case's pipeline, its stored history (encoded eagerly: the kernels, not the encoder, are the subject, and a
+    compiled encoder would compile for each drawn shape) and the step's inputs."""
     g = torch.Generator().manual_seed(c["seed"])
     pipe = _pipeline(c["bits"], c["key_group"], c["value_group"])
     b, h, d = c["batch"], c["heads"], c["dim"]
     tokens = c["chunks"] * pipe.chunk
     k = torch.randn(b, h, tokens, d, generator=g) * 2 + 0.5
     v = torch.randn(b, h, tokens, d, generator=g)
-    state = pipe.encode_chunk(k, v)
+    state = _pipeline(c["bits"], c["key_group"], c["value_group"], compile=False).encode_chunk(k, v)
     q = torch.randn(b, h * c["ratio"], 1, d, generator=g) * d**-0.5
     kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2).to(c["dtype"])
     vf = torch.randn(b, h, c["fp"], d, generator=g).to(c["dtype"])
@@ -154,22 +157,26 @@ def grid_cases(draw):
             "tiny": c["dtype"] == torch.float32 and draw(st.booleans())}  # 16-bit tokens this small are subnormal
 
 
-def _grid_inputs(c):
-    """As `_inputs`, for a `grid_cases` pipeline; "tiny" keys and values have subnormal float8 metadata."""
-    g = torch.Generator().manual_seed(c["seed"])
+def _grid_pipeline(c, compile: bool | str = "auto") -> torchkv.KVPipeline:
     dim = {1: 8, 2: 4, 3: 2, 4: 2}[c["key_bits"]]  # 8-bit codes, and 6-bit ones (3 bits, 2-D) packed in words
     higgs = T.quantize("higgs", bits=c["key_bits"], dim=dim, span=c["span"], scale_dtype=c["key_meta"])
     values = T.quantize(bits=c["bits"], axis="token", group=None, symmetric=True, step="gaussian",
                         meta_dtype=c["value_meta"])
-    pipe = torchkv.KVPipeline(keys=[*([T.project("balance")] if c["balance"] else []), higgs, T.pack()],
-                              values=[T.rotate("hadamard"), values, T.pack()])
+    return torchkv.KVPipeline(keys=[*([T.project("balance")] if c["balance"] else []), higgs, T.pack()],
+                              values=[T.rotate("hadamard"), values, T.pack()], compile=compile)
+
+
+def _grid_inputs(c):
+    """As `_inputs`, for a `grid_cases` pipeline; "tiny" keys and values have subnormal float8 metadata."""
+    g = torch.Generator().manual_seed(c["seed"])
+    pipe, encoder = _grid_pipeline(c), _grid_pipeline(c, compile=False)
     b, h, d, hq = c["batch"], c["heads"], c["dim"], c["heads"] * c["ratio"]
     tokens = c["chunks"] * pipe.chunk
     size = 1e-5 if c["tiny"] else 1.0
     k = (torch.randn(b, h, tokens, d, generator=g) * 2 + 0.5) * size
     v = torch.randn(b, h, tokens, d, generator=g) * size
-    prepared = pipe.prepare(k, v, inputs={"queries": torch.randn(b, hq, tokens, d, generator=g)})
-    state = pipe.encode_chunk(k, v, prepared=prepared)
+    prepared = encoder.prepare(k, v, inputs={"queries": torch.randn(b, hq, tokens, d, generator=g)})
+    state = encoder.encode_chunk(k, v, prepared=prepared)
     q = torch.randn(b, hq, 1, d, generator=g) * d**-0.5
     kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2 * size).to(c["dtype"])
     vf = (torch.randn(b, h, c["fp"], d, generator=g) * size).to(c["dtype"])
