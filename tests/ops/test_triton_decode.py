@@ -80,12 +80,12 @@ def _inputs(c):
     """The case's pipeline, its stored history (encoded eagerly: the kernels, not the encoder, are the subject, and a
     compiled encoder would compile for each drawn shape) and the step's inputs."""
     g = torch.Generator().manual_seed(c["seed"])
-    pipe = _pipeline(c["bits"], c["key_group"], c["value_group"])
+    pipe, encoder = (_pipeline(c["bits"], c["key_group"], c["value_group"], compile=x) for x in ("auto", False))
     b, h, d = c["batch"], c["heads"], c["dim"]
     tokens = c["chunks"] * pipe.chunk
     k = torch.randn(b, h, tokens, d, generator=g) * 2 + 0.5
     v = torch.randn(b, h, tokens, d, generator=g)
-    state = _pipeline(c["bits"], c["key_group"], c["value_group"], compile=False).encode_chunk(k, v)
+    state = encoder.encode_chunk(k, v)
     q = torch.randn(b, h * c["ratio"], 1, d, generator=g) * d**-0.5
     kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2).to(c["dtype"])
     vf = torch.randn(b, h, c["fp"], d, generator=g).to(c["dtype"])
