@@ -18,7 +18,7 @@ from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.memory import peak_rss, reset_peak
 from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.fitting.tuning.allocate import allocate
-from torchkv.fitting.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, tuned_chunk
+from torchkv.fitting.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, layer_candidates, tuned_chunk
 from torchkv.fitting.tuning.sensitivity import Sensitivity, measure
 
 #: bits per value of an uncompressed (float16) cache: a budget above it is an error
@@ -47,11 +47,8 @@ def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
 def reachable(pipe: KVPipeline, model) -> tuple[float, float]:
     """Least and most stored bits per value (mean over layers, keys and values) the candidates reach on `model`."""
     config = model.config.get_text_config(decoder=True)
-    head_dim = config_head_dim(config)
-    per_group: dict[int, dict[str, list[Candidate]]] = {}
-    kv_heads = config.num_key_value_heads
-    return bits_range([per_group.setdefault(id(layer_pipe), candidates(layer_pipe, kv_heads, head_dim))
-                       for layer_pipe in map(pipe.for_layer, range(config.num_hidden_layers))])
+    return bits_range(layer_candidates(pipe, config.num_hidden_layers, config.num_key_value_heads,
+                                       config_head_dim(config)))
 
 
 def bits_range(options: list[dict[str, list[Candidate]]]) -> tuple[float, float]:

@@ -110,6 +110,18 @@ def candidates(pipe: KVPipeline, kv_heads: int, head_dim: int, widths=CANDIDATE_
     return out
 
 
+def layer_candidates(pipe: KVPipeline, layers: int, kv_heads: int, head_dim: int) -> list[dict[str, list[Candidate]]]:
+    """`candidates` of each of a model's `layers` layers, measured once per distinct layer pipeline
+    (`pipe.for_layer`): a uniform preset measures its candidates once, not once per layer."""
+    measured: dict[int, dict[str, list[Candidate]]] = {}
+    out = []
+    for layer_pipe in map(pipe.for_layer, range(layers)):
+        if id(layer_pipe) not in measured:
+            measured[id(layer_pipe)] = candidates(layer_pipe, kv_heads, head_dim)
+        out.append(measured[id(layer_pipe)])
+    return out
+
+
 def tuned_chunk(pipe: KVPipeline, chains: list[tuple[Transform, ...]]) -> int:
     """The chunk of a pipeline made of `pipe`'s window rules and `chains`: a multiple of every chain's token group."""
     return math.lcm(pipe.chunk, *(Chain(list(c)).token_multiple for c in chains))

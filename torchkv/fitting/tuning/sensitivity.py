@@ -32,7 +32,7 @@ from torchkv._compat import config_head_dim
 from torchkv.models import arch
 from torchkv.pipeline import KVPipeline, LayerState, side_of
 from torchkv.store import flushed
-from torchkv.fitting.tuning.candidates import Candidate, candidates, tuned_chunk
+from torchkv.fitting.tuning.candidates import Candidate, layer_candidates, tuned_chunk
 
 TUNE_NAME = "torchkv_tune"
 #: positions whose logits exist at once in `_sampled_gradients` (a [LOGIT_CHUNK, vocabulary] float32 tensor)
@@ -251,9 +251,7 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
     config = model.config.get_text_config(decoder=True)
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim = config_head_dim(config)
-    per_group: dict[int, dict[str, list[Candidate]]] = {}
-    options = [per_group.setdefault(id(pipe.for_layer(i)), candidates(pipe.for_layer(i), kv_heads, head_dim))
-               for i in range(layers)]
+    options = layer_candidates(pipe, layers, kv_heads, head_dim)
     trials = [_trials(pipe, i, options[i]) for i in range(layers)]
     costs = [{side: [0.0] * len(c) for side, c in o.items()} for o in options]
     head_costs = [{side: [torch.zeros(kv_heads) for _ in c] for side, c in o.items()} for o in options]
