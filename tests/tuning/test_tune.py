@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torchkv.models import cache_argument
 from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.testing import tiny_model
 from torchkv.fitting.tuning import CANDIDATE_BITS, candidates, measure, tune, tuned_for_model, tuned_pipeline
-from torchkv.fitting.tuning.candidates import rewidth
+from torchkv.fitting.tuning.candidates import layer_candidates, rewidth
 from torchkv.fitting.tuning.sensitivity import Probe, _exposed_gradients, exposed_pairs
 from torchkv.store import flushed
 
@@ -65,6 +66,21 @@ def test_fitted_tensors_shared_by_tuned_layers_are_saved_once_and_load_shared(tm
     loaded = KVPipeline.from_pretrained(tmp_path).params()
     assert loaded.keys() == params.keys() and all(torch.equal(loaded[k], v) for k, v in params.items())
     assert len({id(v) for v in loaded.values()}) == distinct
+
+
+def test_candidates_are_measured_once_per_distinct_layer_pipeline(monkeypatch):
+    pipe = KVPipeline(*_kivi(4), layers={0: _kivi(2), 2: _kivi(2), 3: _kivi(4)}, residual=16)
+    measured = []
+    real = candidates  # the package's name `candidates` is the function, which hides its module of that name
+    monkeypatch.setattr(sys.modules[layer_candidates.__module__], "candidates",
+                        lambda p, *args: measured.append(p) or real(p, *args))
+    options = layer_candidates(pipe, 4, 2, 32)
+    assert measured == [pipe.for_layer(0), pipe]  # layers 0 and 2 share one pipeline, 1 and 3 the main one
+    assert options[0] is options[2] and options[1] is options[3] and options[0] is not options[1]
+    for layer, layer_pipe in ((0, pipe.for_layer(0)), (1, pipe)):  # the same settings as measured alone
+        alone = real(layer_pipe, 2, 32)
+        assert {side: [(c.label, c.bits) for c in cs] for side, cs in options[layer].items()} == {
+            side: [(c.label, c.bits) for c in cs] for side, cs in alone.items()}
 
 
 def test_a_config_saved_with_first_layers_loads_them_as_per_layer_chains():
