@@ -20,12 +20,15 @@ from torchkv.corpora import documents
 from torchkv.models.capture import capture_qkv
 from torchkv.pipeline import KVPipeline
 
+#: calibration tokens per captured window
+WINDOW = 1024
 
-def calibration_qkv(model_name: str, tokens: int, domain: str, window: int = 1024) -> list[tuple[torch.Tensor, ...]]:
+
+def calibration_qkv(model_name: str, tokens: int, domain: str) -> list[tuple[torch.Tensor, ...]]:
     """Each layer's post-RoPE calibration queries `[1, Hq, tokens, D]`, keys and values `[1, H, tokens, D]` float32,
-    from `tokens // window` windows of `domain`'s calibration split."""
+    from `tokens // WINDOW` windows of `domain`'s calibration split."""
     model, tokenizer = torchkv.load_model(model_name)
-    ids = documents(tokenizer, window, tokens // window, "calibration", domain)
+    ids = documents(tokenizer, WINDOW, tokens // WINDOW, "calibration", domain)
     _, layers = capture_qkv(model, ids)
     return [tuple(t.float().transpose(0, 1).flatten(1, 2)[None] for t in qkv) for qkv in layers]
 
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         path = rest[rest.index("--out") + 1]
         results = json.loads(open(path).read())
         results["meta"]["balance_prior"] = {"tokens": args.prior_tokens, "domain": args.prior_domain,
-                                            "split": "calibration", "windows_of": 1024}
+                                            "split": "calibration", "windows_of": WINDOW}
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
 
