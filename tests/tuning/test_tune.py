@@ -17,7 +17,8 @@ from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.testing import tiny_model
 from torchkv.fitting.tuning import CANDIDATE_BITS, candidates, measure, tune, tuned_for_model, tuned_pipeline
 from torchkv.fitting.tuning.candidates import layer_candidates, rewidth
-from torchkv.fitting.tuning.sensitivity import Probe, _exposed_gradients, exposed_pairs
+from torchkv.fitting.tuning.sensitivity import (Probe, _exposed_gradients, _probed, _sampled_gradients, exposed_pairs,
+                                                read_weights)
 from torchkv.store import flushed
 
 IDS = torch.randint(3, 128, (3, 256), generator=torch.Generator().manual_seed(0))
@@ -202,6 +203,8 @@ def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():
             tune(pipe, model, IDS, budget=budget, progress=False)
     with pytest.raises(ValueError, match="uncalibrated transforms .*`torchkv calibrate --preset aquakv-2bit"):
         tune(KVPipeline.from_preset("aquakv-2bit"), model, IDS, budget=2.5, progress=False)
+    with pytest.raises(ValueError, match=r"windows of 24 tokens store no token encoded .* at least 32 tokens"):
+        tune(pipe, model, IDS[:, :24], budget=2.6, progress=False)  # 16 exact + a 16-token chunk
 
 
 @settings(max_examples=25, deadline=None)
@@ -242,6 +245,35 @@ def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads):
     assert g_k[:, :, 100:].abs().max() == 0 and g_v[:, :, 100:].abs().max() == 0
     torch.testing.assert_close(g_k[:, :, :100], dk.grad[:, :, :100], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(g_v[:, :, :100], dv.grad[:, :, :100], atol=1e-4, rtol=1e-4)
+
+
+
+def test_sampled_gradients_are_those_of_the_loss_weighted_by_encoded_reads():
+    """Each position's cross-entropy weighs the encoded keys it reads over their mean (`read_weights`): the
+    gradients equal autograd's of `Σ_i w_i CE_i` with the same sampled labels, for every row of a batch."""
+    model = tiny_model("llama", layers=2)
+    pipe = KVPipeline.from_preset("frontier-2bit", residual=16).for_model(model)
+    ids = IDS[:2, :96]
+    exposed = exposed_pairs(pipe, ids.shape[1])
+    weights, reads = read_weights(exposed), exposed.sum(1).float()
+    torch.testing.assert_close(weights, reads / reads.mean())
+    assert weights[0] == 0 and weights[-1] > 1
+    probes: dict = {}
+    with _probed(model, probes), torch.enable_grad():
+        got = _sampled_gradients(model, ids, probes, torch.Generator().manual_seed(0), 1, exposed)
+    reference: dict = {}
+    with _probed(model, reference), torch.enable_grad():
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        logits = model.get_output_embeddings()(hidden.flatten(0, 1)).float()  # [B·T, V]: one `LOGIT_CHUNK`
+        labels = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=torch.Generator().manual_seed(0))
+        loss = torch.nn.functional.cross_entropy(logits, labels[:, 0], reduction="none")
+        (loss * weights.repeat(ids.shape[0])).sum().backward()
+    for layer, probe in reference.items():
+        (g_k, g_v), = got[layer]
+        want_k, want_v = _exposed_gradients(probe, probe.out.grad, exposed)
+        torch.testing.assert_close(g_k, want_k)
+        torch.testing.assert_close(g_v, want_v)
+        assert g_v.abs().max() > 0
 
 
 @pytest.mark.model

@@ -16,6 +16,12 @@ its sinks and its window exact). With every pair counted, as before, the cost wa
 their keys, which the window serves exact, and long-range reads were underweighted: frontier-2bit tuned to 2.5
 bits on mixed text found 0.33 / 0.93 / 0.60 of 4K needles (wiki / code / docs; full precision 1.00 / 0.87 /
 0.80); counting exposed pairs only, 0.80 / 1.00 / 0.73 (`benchmarks/results/domains/`).
+
+Each position's KL weighs the number of encoded keys it reads, over the mean (`read_weights`): in a 2,048-token
+window the average query reads about 900 encoded tokens, where a query at 8K reads up to 8,000, so the positions
+that read most of the store stand for long contexts best. Weighted so, frontier-2bit tuned per head to 2.5 bits
+on mixed text lost at most +1.69% perplexity (prompt mode) and +1.82% (streaming) on wiki, code and docs at 2K and
+8K, against +2.02% and +2.02% with every position weighing the same (`benchmarks/results/domains/ablations/`).
 """
 
 import contextlib
@@ -212,16 +218,24 @@ def _exposed_gradients(probe: Probe, out_grad: torch.Tensor, exposed: torch.Tens
     return dk.grad, dv.grad
 
 
+def read_weights(exposed: torch.Tensor) -> torch.Tensor:
+    """`[T]` float32: each query position's count of encoded keys read (the rows of `exposed` `[T, T]`) over its
+    mean; zeros where no position reads any."""
+    reads = exposed.sum(1, dtype=torch.float32)
+    return reads / reads.mean() if reads.any() else reads
+
+
 def _sampled_gradients(model: nn.Module, ids: torch.Tensor, probes: dict[int, Probe], generator: torch.Generator,
                        draws: int, exposed: torch.Tensor) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Run `ids` [B, T]; for each of `draws` draws of every position's label from the model's own next-token
-    distribution, back-propagate the summed cross-entropy (g's sign is squared away) to the probes. Returns, per
-    layer, the `(g_k, g_v)` gradients of each draw over the `exposed` pairs (`_exposed_gradients`).
-    Vocabulary-wide tensors exist for `LOGIT_CHUNK` positions at a time."""
+    distribution, back-propagate the cross-entropy summed over positions with weights `read_weights(exposed)`
+    (g's sign is squared away) to the probes. Returns, per layer, the `(g_k, g_v)` gradients of each draw over the
+    `exposed` pairs (`_exposed_gradients`). Vocabulary-wide tensors exist for `LOGIT_CHUNK` positions at a time."""
     hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [B, T, d]
     head = model.get_output_embeddings()
     softcap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
     grads: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in probes]
+    weights = read_weights(exposed).to(hidden.device)  # [T]: the gradient of Σ_i w_i CE_i is w_i ∂CE_i/∂h_i
     for draw in range(draws):
         leaf = hidden.detach().flatten(0, 1).requires_grad_()
         for part in leaf.split(LOGIT_CHUNK):
@@ -233,7 +247,7 @@ def _sampled_gradients(model: nn.Module, ids: torch.Tensor, probes: dict[int, Pr
             torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()
         for probe in probes.values():
             probe.out.grad = None
-        hidden.backward(leaf.grad.view_as(hidden), retain_graph=draw + 1 < draws)
+        hidden.backward(leaf.grad.view_as(hidden) * weights[:, None], retain_graph=draw + 1 < draws)
         for i, probe in probes.items():
             grads[i].append(_exposed_gradients(probe, probe.out.grad, exposed))
     return grads
@@ -260,6 +274,11 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
     positions = torch.arange(ids.shape[1], device=device)[None]
     ropes = [arch.rope_fn(model, i)(positions) if {"cos", "sin"} & pipe.requires else None for i in range(layers)]
     exposed = exposed_pairs(pipe, ids.shape[1])
+    if not exposed.any():
+        least = pipe.sinks + pipe.residual + pipe.chunk
+        raise ValueError(f"calibration windows of {ids.shape[1]} tokens store no token encoded (pipeline '{pipe.name}' "
+                         f"keeps {pipe.sinks} sinks and a window of {pipe.residual} + {pipe.chunk} exact), so no width "
+                         f"would cost anything: tune in windows of at least {least} tokens (--seq-len)")
     tokens = 0
     for window in tqdm(ids.split(batch), desc=f"tuning {pipe.name}", unit="batch", disable=not progress):
         probes: dict[int, Probe] = {}
