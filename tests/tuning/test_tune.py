@@ -247,7 +247,6 @@ def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads):
     torch.testing.assert_close(g_v[:, :, :100], dv.grad[:, :, :100], atol=1e-4, rtol=1e-4)
 
 
-
 def test_sampled_gradients_are_those_of_the_loss_weighted_by_encoded_reads():
     """Each position's cross-entropy weighs the encoded keys it reads over their mean (`read_weights`): the
     gradients equal autograd's of `Σ_i w_i CE_i` with the same sampled labels, for every row of a batch."""
