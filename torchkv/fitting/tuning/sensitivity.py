@@ -220,9 +220,9 @@ def _exposed_gradients(probe: Probe, out_grad: torch.Tensor, exposed: torch.Tens
 
 def read_weights(exposed: torch.Tensor) -> torch.Tensor:
     """`[T]` float32: each query position's count of encoded keys read (the rows of `exposed` `[T, T]`) over its
-    mean; zeros where no position reads any."""
+    mean (`measure` refuses windows where no position reads any)."""
     reads = exposed.sum(1, dtype=torch.float32)
-    return reads / reads.mean() if reads.any() else reads
+    return reads / reads.mean()
 
 
 def _sampled_gradients(model: nn.Module, ids: torch.Tensor, probes: dict[int, Probe], generator: torch.Generator,
