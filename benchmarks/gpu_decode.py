@@ -17,7 +17,6 @@ cut short keeps what it measured. Rows not started by --deadline-seconds are rec
 
 import argparse
 import gc
-import importlib.util
 import inspect
 import json
 import re
@@ -38,10 +37,9 @@ from torchkv.eval.runner import _write, machine
 from torchkv.eval.speed import WARM_STEPS, _compiled_at_first_call, sync, warm_lengths
 from torchkv.models import cache_argument
 from torchkv.ops import triton_decode
+from torchkv.testing import load_script
 
-_spec = importlib.util.spec_from_file_location("decode_benchmark", Path(__file__).with_name("decode.py"))
-_decode_benchmark = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_decode_benchmark)
+_decode_benchmark = load_script(Path(__file__).with_name("decode.py"))
 copy_bandwidth, kernel_row = _decode_benchmark.copy_bandwidth, _decode_benchmark.kernel_row
 
 #: LlamaConfig arguments of each shape: Llama 3.2 1B, Llama 3.1 8B, and a tiny one for tests on the CPU

@@ -8,7 +8,6 @@ fastest; `benchmarks/gpu_decode.py --kernel-settings` applies it.
 """
 
 import argparse
-import importlib.util
 import itertools
 import json
 import math
@@ -19,10 +18,9 @@ import torch
 
 import torchkv
 from torchkv.ops import triton_decode
+from torchkv.testing import load_script
 
-_spec = importlib.util.spec_from_file_location("decode_benchmark", Path(__file__).with_name("decode.py"))
-_decode_benchmark = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_decode_benchmark)
+_decode_benchmark = load_script(Path(__file__).with_name("decode.py"))
 
 #: (label, batch, KV heads, query heads, head_dim, encoded tokens): one layer of the 1B and the 8B Llama shapes
 CELLS = [("1b b16 x 16K", 16, 8, 32, 64, 16384), ("8b b8 x 32K", 8, 8, 32, 128, 32768)]

@@ -12,7 +12,6 @@ operators with the largest self time (CPU, and CUDA on a GPU) per decode step.
 """
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -23,10 +22,9 @@ import torchkv
 from torchkv.corpora import token_stream
 from torchkv.eval.rows import method
 from torchkv.eval.speed import _compiled_at_first_call
+from torchkv.testing import load_script
 
-_spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).with_name("gpu_decode.py"))
-gpu_decode = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_decode)
+gpu_decode = load_script(Path(__file__).with_name("gpu_decode.py"))
 
 #: untimed decode steps before the profiled ones, as `gpu_decode.py --warmup` (a torchkv row runs a chunk more)
 WARMUP = 3

@@ -1,16 +1,13 @@
 """`benchmarks/balance_prior.py`: a prompt's balance scales pooled with prior tokens read them as more prompt tokens."""
 
-import importlib.util
 from pathlib import Path
 
 import torch
 
 import torchkv
+from torchkv.testing import load_script
 
-_spec = importlib.util.spec_from_file_location("balance_prior", Path(__file__).parents[1] / "benchmarks" /
-                                               "balance_prior.py")
-balance_prior = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(balance_prior)
+balance_prior = load_script(Path(__file__).parents[1] / "benchmarks" / "balance_prior.py")
 
 
 def _tokens(gen: torch.Generator, t: int, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:

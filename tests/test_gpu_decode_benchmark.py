@@ -1,7 +1,6 @@
 """`benchmarks/gpu_decode.py` on the CPU with its tiny shape: every row measured, its files written, the random-weights
 note kept (the compiled rows compile for minutes on a CPU, and are left to the GPU run)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,10 +8,9 @@ import pytest
 import torch
 
 from torchkv.ops import triton_decode
+from torchkv.testing import load_script
 
-_spec = importlib.util.spec_from_file_location("gpu_decode", Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py")
-gpu_decode = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_decode)
+gpu_decode = load_script(Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py")
 
 
 def test_gpu_decode_benchmark_runs_on_the_cpu_and_writes_its_files(tmp_path, capsys, monkeypatch):
@@ -86,10 +84,7 @@ def test_a_kernel_row_without_one_encoded_chunk_is_refused_with_the_context_it_n
 
 
 def test_profile_decode_profiles_a_random_weights_shape_without_smollm2(tmp_path):
-    spec = importlib.util.spec_from_file_location("profile_decode", Path(__file__).parents[1] / "benchmarks" /
-                                                  "profile_decode.py")
-    profile_decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_decode)
+    profile_decode = load_script(Path(__file__).parents[1] / "benchmarks" / "profile_decode.py")
     out = tmp_path / "profile.json"
     result = profile_decode.main(["--shape", "tiny", "--preset", "kivi-2bit", "--context", "300", "--batch", "2",
                                   "--steps", "2", "--top", "5", "--out", str(out)])

@@ -2,16 +2,13 @@
 the cache, the count of compiled graphs is bounded (no graph over the last quarter of the tokens), and the first 256
 tokens agree with an eager run."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from torchkv.testing import tiny_model
+from torchkv.testing import load_script, tiny_model
 
-_spec = importlib.util.spec_from_file_location("soak", Path(__file__).parents[1] / "benchmarks" / "soak.py")
-soak_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(soak_module)
+soak_module = load_script(Path(__file__).parents[1] / "benchmarks" / "soak.py")
 
 
 def _run(preset: str, tokens: int, check: int = 256) -> dict:

@@ -1,6 +1,5 @@
 """The command line, the examples and the README, run as a user would."""
 
-import importlib.util
 import json
 import re
 import statistics
@@ -12,6 +11,7 @@ import pytest
 
 import torchkv
 from torchkv.cli import main
+from torchkv.testing import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 #: as a user runs them: compile='auto' runs its first calls eagerly
@@ -28,9 +28,7 @@ def script(capsys):
     interpreter's ~7 s of imports; `test_module_entry_point` starts one)."""
 
     def run(path: str, *args: str) -> str:
-        spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_script(ROOT / path)
         capsys.readouterr()
         module.main(list(args))
         return capsys.readouterr().out

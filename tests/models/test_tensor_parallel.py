@@ -4,7 +4,6 @@ each compressing its own KV heads; greedy generation must equal one device's, to
 The ranks run `benchmarks/tensor_parallel.py --no-reference`; the one-device generation is made here.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,12 +16,10 @@ from transformers import AutoModelForCausalLM
 
 import torchkv
 from torchkv.models.loader import model_path
-from torchkv.testing import tiny_model
+from torchkv.testing import load_script, tiny_model
 
 WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "tensor_parallel.py"
-_spec = importlib.util.spec_from_file_location("tensor_parallel_worker", WORKER)
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
+worker = load_script(WORKER)
 RANKS = 3
 #: work per KV head, so a rank's share decodes exactly as on one device
 EXACT = ("kivi-4bit", "squat-2bit")

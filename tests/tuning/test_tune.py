@@ -280,13 +280,12 @@ def test_reallocating_a_tuned_folder_reproduces_it_and_meets_a_lower_budget():
     """`benchmarks/reallocate.py` on the committed recommended folder: at its own budget it chooses its widths again
     (the allocation is exact and deterministic); at 2.1 bits it meets the budget; 1-bit values left out, none remain;
     weighted keys cost no less."""
-    import importlib.util
     from pathlib import Path
 
+    from torchkv.testing import load_script
+
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("reallocate", root / "benchmarks/reallocate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(root / "benchmarks/reallocate.py")
     src = root / "benchmarks/results/domains/tuned/frontier-2bit@2.5_mixed_no_1bit_keys"
     saved = json.loads((src / "tune.json").read_text())
     again = module.reallocate(src, saved["budget"], {"k": 1, "v": 1})[1]

@@ -1,4 +1,9 @@
-"""Shared test helpers: error metrics, tiny random models of each supported architecture, K/V capture."""
+"""Shared test helpers: error metrics, tiny random models of each supported architecture, K/V capture, and the
+loading of scripts that are files, not modules of a package (benchmarks, workers)."""
+
+import importlib.util
+import types
+from pathlib import Path
 
 import torch
 import transformers
@@ -20,6 +25,15 @@ TINY_ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
 }
+
+
+def load_script(path: str | Path) -> types.ModuleType:
+    """The Python file at `path` run as a module named after its stem (a benchmark script, which sits in no
+    package: tests and other scripts call its functions)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
