@@ -26,7 +26,7 @@ echo "kernel sweep: exit $?"; tail -n 4 /tmp/kernel_sweep.log
 
 limit "${BENCH_S:-300}" $python benchmarks/gpu_decode.py --out "$out" --kernel-settings "$out/kernel_sweep.json" \
   --cells "${CELLS:-1b:16x16384,1b:1x4096,8b:8x32768,1b:1x32768}" \
-  --rows "${ROWS:-static-compiled,compiled:kivi-2bit,dynamic,kivi-2bit,compiled:kivi-4bit,compiled:frontier-2bit}" \
+  --rows "${ROWS:-static-compiled,compiled:kivi-2bit,dynamic,kivi-2bit,compiled:kivi-4bit,compiled:frontier-2bit,compiled:tuned}" \
   --deadline-seconds "$(( ${BENCH_S:-300} - 45 ))" 2>&1 | grep -v "DEBUG" > "$out/gpu_decode.log"
 echo "benchmark: exit ${PIPESTATUS[0]}"; grep -A40 "^## " "$out"/gpu_decode_*.md | head -n 60
 

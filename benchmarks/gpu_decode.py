@@ -7,7 +7,9 @@ caches and torchkv's, against transformers' StaticCache under CUDA graphs and th
 
 A cell is SHAPE:BATCHxCONTEXT. Rows: `dynamic` (DynamicCache, eager), `static-compiled` (StaticCache, the whole step
 compiled, CUDA graphs on a GPU), a torchkv preset (per-layer path) and `compiled:PRESET` (the whole step compiled
-over a fixed-capacity torchkv cache), as `torchkv.eval.rows.method` builds them. Each row fills a cache with a
+over a fixed-capacity torchkv cache), as `torchkv.eval.rows.method` builds them; `tuned` and `compiled:tuned` are
+the widths of the folder `--tuned` (tuned on SmolLM2, per layer or per KV head) placed on the cell's shape
+(`on_shape`). Each row fills a cache with a
 prompt in chunks of at most 4096 tokens twice (timed: its first prefill at that size, then the steady one; a torchkv
 row's later chunks attend the compressed history, as in chunked serving), runs --warmup untimed steps on the second
 (where compiled rows compile; torchkv rows one chunk of steps more) and --steps timed ones. Every run writes its own
@@ -32,11 +34,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import torchkv
 from torchkv.eval.decode_report import _table
-from torchkv.eval.rows import STATIC_BASELINE, cache_nbytes, method
+from torchkv.eval.rows import COMPILED, STATIC_BASELINE, Method, cache_nbytes, method
 from torchkv.eval.runner import _write, machine
 from torchkv.eval.speed import WARM_STEPS, _compiled_at_first_call, sync, warm_lengths
-from torchkv.models import cache_argument
+from torchkv.models import arch, cache_argument
 from torchkv.ops import triton_decode
+from torchkv.pipeline.io import layer_specs
 from torchkv.testing import load_script
 
 _decode_benchmark = load_script(Path(__file__).with_name("decode.py"))
@@ -65,6 +68,13 @@ FP16_BYTES = 2
 GB = 1e9
 
 
+#: the row of a tuned folder's widths on the benchmark's shape (`on_shape`); `compiled:tuned` decodes it whole-step
+TUNED_ROW = "tuned"
+#: the folder `--tuned` reads by default: `torchkv tune --preset frontier-2bit --budget 2.5 --domain mixed --per-head`
+#: on SmolLM2 (the recipe the README recommends)
+TUNED_FOLDER = Path(__file__).parent / "results/domains/ablations/tuned/frontier-2bit@2.5_mixed_per_head_far"
+
+
 def parse_cells(text: str) -> list[tuple[str, int, int]]:
     """`1b:1x4096,8b:8x32768` -> [(shape, batch, context), ...]."""
     cells = []
@@ -85,6 +95,49 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+def tuned_config(folder: Path) -> dict:
+    """The saved config of the tuned pipeline in `folder`; a clear error where there is none."""
+    path = folder / "torchkv_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if config.get("tuned_for") is None:
+        raise ValueError(f"--tuned {folder}: no pipeline tuned for a model is saved there; give a folder written by "
+                         "`torchkv tune ... --out DIR`")
+    return config
+
+
+def on_shape(folder: Path, model) -> torchkv.KVPipeline:
+    """The pipeline saved in `folder` (tuned per layer or per KV head, for another model) with its widths placed on
+    `model`'s layers and KV heads: layer i of L takes the folder's layer round(i·(L₀-1)/(L-1)) of L₀, and KV head h
+    the widths of its head h mod H₀. With random weights only the widths matter to decode speed, so this is the
+    tuned recipe's cost on a shape it cannot be tuned on."""
+    config = tuned_config(folder)
+    source = config["tuned_for"]
+    text = model.config.get_text_config(decoder=True)
+    layers, heads = text.num_hidden_layers, text.num_key_value_heads
+
+    def side(spec):  # a per-head side's groups, over this model's heads (a group that no head falls in is dropped)
+        if not isinstance(spec, dict):
+            return spec
+        groups = [([h for h in range(heads) if h % source["kv_heads"] in group], chain)
+                  for group, chain in zip(spec["heads"], spec["chains"])]
+        groups = [(group, chain) for group, chain in groups if group]
+        return groups[0][1] if len(groups) == 1 else {"heads": [g for g, _ in groups], "chains": [c for _, c in groups]}
+
+    specs = layer_specs(config)
+    picked = {i: round(i * (source["layers"] - 1) / max(layers - 1, 1)) for i in range(layers)}
+    config["layers"] = {str(i): {s: side(specs[j][s]) for s in ("keys", "values")}
+                        for i, j in picked.items() if j in specs}
+    config["tuned_for"] = arch.fingerprint(model)
+    return torchkv.KVPipeline.from_config(config)
+
+
+def row_method(name: str, model, tuned: Path) -> Method:
+    """`method(name)`, where `tuned` and `compiled:tuned` are the folder `tuned` placed on `model` (`on_shape`)."""
+    if name.removeprefix(COMPILED) != TUNED_ROW:
+        return method(name)
+    return Method(name, pipeline=on_shape(tuned, model), compiled=name.startswith(COMPILED))
 
 
 def weight_bytes_read(model) -> int:
@@ -166,15 +219,16 @@ def untimed_steps(row, warmup: int) -> int:
 
 
 @torch.no_grad()
-def measure_row(model, name: str, batch: int, context: int, steps: int, warmup: int) -> dict:
+def measure_row(model, name: str, batch: int, context: int, steps: int, warmup: int,
+                tuned: Path = TUNED_FOLDER) -> dict:
     """Prefill a `batch` x `context` random prompt into a fresh cache of row `name` twice (each timed; the first,
     `first_prefill_ms`, also pays what runs once per prompt size without a Dynamo recompile, on a GPU likely Triton
     specializing Inductor's kernels for new sizes; the second, `prefill_ms`, is the steady state), run `warmup` steps on
     the second (where whole-step graphs compile; torchkv rows run one chunk of steps more, so that the window has
     filled and encoded a chunk once, compiling what that runs), then time `steps` more. `graphs_compiled` counts the
     graphs compiled in each phase (0 in the timed steps, or their time includes compilation); `bytes_per_step` is what
-    a step reads at least, the weights and the cache as stored."""
-    row = method(name)
+    a step reads at least, the weights and the cache as stored; `tuned`: the folder of the `tuned` rows."""
+    row = row_method(name, model, tuned)
     device = model.device
     chunk = min(context, PREFILL_CHUNK, max(1, PREFILL_TOKENS // batch))
     warmup = untimed_steps(row, warmup)
@@ -324,7 +378,7 @@ def run_row(model, name: str, cell: dict, args, compiled: bool) -> dict:
     """One row of a cell: measured, or the error that stopped it; then the memory it held is given back."""
     row = {**cell, "row": name}
     try:
-        row.update(measure_row(model, name, cell["batch"], cell["context"], args.steps, args.warmup))
+        row.update(measure_row(model, name, cell["batch"], cell["context"], args.steps, args.warmup, args.tuned))
     except Exception as err:  # an OOM or a failing row is recorded, and the run goes on
         traceback.print_exc()
         row["error"] = f"{type(err).__name__}: {err}"[:1000]
@@ -377,7 +431,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--cells", default="1b:1x4096,1b:1x32768,1b:16x16384,8b:8x32768",
                         help="SHAPE:BATCHxCONTEXT, SHAPE one of " + ", ".join(SHAPES))
     parser.add_argument("--rows", default=f"dynamic,{STATIC_BASELINE},kivi-2bit,compiled:kivi-2bit,compiled:kivi-4bit,"
-                                          "frontier-2bit,compiled:frontier-2bit")
+                                          "frontier-2bit,compiled:frontier-2bit,compiled:tuned")
     parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit,frontier-2bit",
                         help="presets whose decode attention of one layer is timed alone in every cell")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
@@ -387,6 +441,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--deadline-seconds", type=float, default=330,
                         help="rows not started by then (seconds after the start) are recorded as skipped")
     parser.add_argument("--out", default="benchmarks/results/gpu", help="folder of this run's JSON, MD and PNG")
+    parser.add_argument("--tuned", type=Path, default=TUNED_FOLDER,
+                        help="a `torchkv tune` folder whose widths the rows `tuned` and `compiled:tuned` place on each "
+                             "shape")
     parser.add_argument("--kernel-settings", type=Path,
                         help="a `kernel_sweep.py` JSON: run the kernel with the best launch settings it measured")
     args = parser.parse_args(argv)
@@ -394,7 +451,15 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     start = time.perf_counter()
     cells, names = parse_cells(args.cells), [n for n in args.rows.split(",") if n]
-    compiled = {n for n in names if method(n).compiled}  # an unknown row name fails here, before any measurement
+    compiled = set()
+    for name in names:  # an unknown row name, or a `--tuned` folder without a tuned pipeline, fails before measuring
+        if name.removeprefix(COMPILED) == TUNED_ROW:
+            tuned_config(args.tuned)
+            whole_step = name.startswith(COMPILED)
+        else:
+            whole_step = method(name).compiled
+        if whole_step:
+            compiled.add(name)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(device)
     command = " ".join(sys.argv if argv is None else [__file__, *argv])

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import torchkv
+from torchkv.models import arch
 from torchkv.ops import triton_decode
-from torchkv.testing import load_script
+from torchkv.testing import load_script, tiny_model
 
 gpu_decode = load_script(Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py")
 
@@ -92,3 +94,33 @@ def test_profile_decode_profiles_a_random_weights_shape_without_smollm2(tmp_path
     assert (result["model"], result["batch"], result["device"]) == ("tiny", 2, "cpu")
     assert len(result["top"]) == 5 and result["self_cpu_ms_per_step"] > 0 and result["self_device_ms_per_step"] is None
     assert all(op["calls_per_step"] > 0 and op["ms_per_step"] > 0 for op in result["top"])
+
+
+def test_a_tuned_folder_is_placed_on_a_shape_by_relative_depth_and_head_index_and_decodes():
+    """The recommended per-head folder (SmolLM2: 30 layers, 3 KV heads) on 16 layers of 8 KV heads: layer i takes
+    the folder's layer round(i·29/15), KV head h the widths of head h mod 3; the model generates through it."""
+    source = json.loads((gpu_decode.TUNED_FOLDER / "torchkv_config.json").read_text())
+    model = tiny_model("llama", heads=8, kv_heads=8, layers=16, head_dim=32)
+    pipe = gpu_decode.on_shape(gpu_decode.TUNED_FOLDER, model)
+    assert pipe.tuned_for == arch.fingerprint(model)
+    for layer in range(16):
+        keys, values = pipe.layer_chains[layer]
+        wanted = source["layers"][str(round(layer * 29 / 15))]
+        for side, spec in (("keys", keys), ("values", values)):
+            groups = wanted[side]["heads"] if isinstance(wanted[side], dict) else [[0, 1, 2]]
+            chains = wanted[side]["chains"] if isinstance(wanted[side], dict) else [wanted[side]]
+            width = {h: chains[next(i for i, g in enumerate(groups) if h % 3 in g)] for h in range(8)}
+            held = {h: c.spec() for heads, c in zip(spec.heads, spec.chains) for h in heads} if hasattr(
+                spec, "heads") else dict.fromkeys(range(8), spec.spec())
+            assert held == width, (layer, side)
+    pipe.compile = False
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torchkv.patched(model, pipe):
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 204)
+
+
+def test_a_tuned_row_without_a_tuned_folder_is_refused_before_measuring(tmp_path):
+    with pytest.raises(ValueError, match="no pipeline tuned for a model is saved there"):
+        gpu_decode.main(["--cells", "tiny:1x8", "--rows", "dynamic,compiled:tuned", "--device", "cpu", "--dtype",
+                         "float32", "--tuned", str(tmp_path), "--out", str(tmp_path)])
