@@ -207,7 +207,7 @@ def _calibration_arguments(parser: argparse.ArgumentParser, batch: int, batch_he
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=32768, help="calibration tokens (the domain's calibration split)")
     parser.add_argument("--domain", default="wiki", help="text domain to calibrate on: wiki, code, docs, or mixed "
-                        "(pieces of all three in turn)")
+                        "(pieces of all three in turn; mixed:wiki,code: of those named)")
     parser.add_argument("--seq-len", type=int, default=seq_len, help="tokens per calibration sequence")
     parser.add_argument("--batch", type=int, default=batch, help=batch_help)
     parser.add_argument("--no-progress", action="store_true")
@@ -258,7 +258,7 @@ def _add_eval_command(sub) -> None:
     ev.add_argument("--domains", help="text domains, each measured on its own: wiki (default), code, docs; "
                     "comma-separated")
     ev.add_argument("--tune-domain", help="the domain whose calibration split tuned rows are tuned on: wiki "
-                    "(default), code, docs or mixed")
+                    "(default), code, docs, mixed or a mix of some (mixed:wiki,code)")
     long = ev.add_mutually_exclusive_group()
     long.add_argument("--suite", choices=["long"], help="long: RULER-style tasks (answers generated and scored "
                       "through each cache) at each of --lengths")

@@ -77,19 +77,41 @@ DOMAINS = {
 }
 
 
-#: pieces of every domain in turn, each from its own split: calibration on it fits no single domain
+#: pieces of every domain in turn, each from its own split: calibration on it fits no single domain. "mixed:wiki,code"
+#: takes pieces of the domains named only (calibrate on some, evaluate on one left out)
 MIXED = "mixed"
 _PIECE = 4096
-_MIXED = Domain(f"pieces of {', '.join(DOMAINS)} in turn, each from its own split", dict, SPLITS)
+
+
+def mixed_domains(name: str) -> tuple[str, ...] | None:
+    """The domains whose pieces the mixed domain `name` takes in turn (`MIXED`: all; "mixed:wiki,code": those
+    named), or None where `name` is no mixed domain."""
+    if name == MIXED:
+        return tuple(DOMAINS)
+    if not name.startswith(MIXED + ":"):
+        return None
+    names = tuple(name.removeprefix(MIXED + ":").split(","))
+    if len(set(names)) != len(names) or len(names) < 2 or not set(names) <= set(DOMAINS):
+        raise ValueError(f"domain '{name}': a mix names two or more of {', '.join(DOMAINS)}, each once "
+                         f"(e.g. '{MIXED}:{','.join(list(DOMAINS)[:2])}'), or is '{MIXED}' for all of them")
+    return names
+
+
+def _mixed(names: tuple[str, ...]) -> Domain:
+    return Domain(f"pieces of {', '.join(names)} in turn, each from its own split", dict, SPLITS)
 
 
 def domain(name: str) -> Domain:
-    """The domain called `name` (one of `DOMAINS`, or `MIXED`); an unknown name lists the available ones."""
-    if name == MIXED:
-        return _MIXED
+    """The domain called `name` (one of `DOMAINS`, `MIXED`, or a mix of some, `mixed_domains`); an unknown name
+    lists the available ones."""
+    mixed = mixed_domains(name)
+    if mixed is not None:
+        return _mixed(mixed)
     if name not in DOMAINS:
+        every = {**DOMAINS, MIXED: _mixed(tuple(DOMAINS))}
         raise ValueError(f"unknown domain '{name}'; available: "
-                         + "; ".join(f"{k} ({d.description})" for k, d in {**DOMAINS, MIXED: _MIXED}.items()))
+                         + "; ".join(f"{k} ({d.description})" for k, d in every.items())
+                         + f"; {MIXED}:{','.join(list(DOMAINS)[:2])} (pieces of the domains named)")
     return DOMAINS[name]
 
 
@@ -99,15 +121,16 @@ def _bucket(title: str) -> int:
 
 @functools.cache
 def split_articles(split: str, domain_name: str = DEFAULT_DOMAIN) -> tuple[tuple[str, str], ...]:
-    """(name, text) of every non-empty document of `domain_name` in `split`, sorted by name (`MIXED`: a piece of
-    `_PIECE` characters of each domain's split in turn, named "domain:offset", so that any prefix of it holds every
-    domain about equally, until each split is used up)."""
+    """(name, text) of every non-empty document of `domain_name` in `split`, sorted by name (a mixed domain: a piece
+    of `_PIECE` characters of each of its domains' split in turn, named "domain:offset", so that any prefix of it
+    holds each of them about equally, until each split is used up)."""
     source = domain(domain_name)
     if split not in source.splits:
         raise ValueError(f"unknown split '{split}'; available: {', '.join(source.splits)}")
-    if domain_name == MIXED:
+    mixed = mixed_domains(domain_name)
+    if mixed is not None:
         pieces = ([(f"{d}:{i}", text[i : i + _PIECE]) for i in range(0, len(text), _PIECE)]
-                  for d, text in ((d, split_text(split, d)) for d in DOMAINS))
+                  for d, text in ((d, split_text(split, d)) for d in mixed))
         return tuple(doc for turn in itertools.zip_longest(*pieces) for doc in turn if doc is not None)
     chosen = sorted((name, text.strip()) for name, text in source.read().items()
                     if _bucket(name) in source.splits[split] and text.strip())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchkv.eval import runner
-from torchkv.corpora import DOMAINS, MIXED, SPLITS, documents, split_articles, split_text, token_stream
+from torchkv.corpora import DOMAINS, MIXED, SPLITS, documents, domain, split_articles, split_text, token_stream
 from torchkv.eval.perplexity import perplexity
 from torchkv.eval.report import markdown_table, pareto_points, plots, tuned_curves
 from torchkv.eval.retrieval import cases, retrieval
@@ -47,6 +47,19 @@ def test_the_mixed_domain_takes_every_domain_in_turn_from_its_own_split():
     for name in DOMAINS:  # pieces of the calibration splits only: nothing of an evaluation split
         pieces = "".join(t for n, t in mixed if n.startswith(name + ":"))
         assert pieces == split_text("calibration", name)
+
+
+def test_a_mix_of_some_domains_leaves_the_others_out():
+    """`mixed:wiki,code`: what `mixed` holds of wiki and code, in turn, and nothing of docs (calibrate on two domains,
+    evaluate on the third)."""
+    mixed = split_articles("calibration", "mixed:wiki,code")
+    assert [name.split(":")[0] for name, _ in mixed[:4]] == ["wiki", "code", "wiki", "code"]
+    assert {name.split(":")[0] for name, _ in mixed} == {"wiki", "code"}
+    assert [doc for doc in split_articles("calibration", MIXED) if not doc[0].startswith("docs:")] == list(mixed)
+    assert "wiki, code" in domain("mixed:wiki,code").description
+    for bad in ("mixed:wiki", "mixed:wiki,wiki", "mixed:wiki,legal", "mixed:"):
+        with pytest.raises(ValueError, match="a mix names two or more of wiki, code, docs, each once"):
+            split_articles("calibration", bad)
 
 
 def test_an_unknown_domain_lists_the_available_ones():
