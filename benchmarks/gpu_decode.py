@@ -9,12 +9,11 @@ A cell is SHAPE:BATCHxCONTEXT. Rows: `dynamic` (DynamicCache, eager), `static-co
 compiled, CUDA graphs on a GPU), a torchkv preset (per-layer path) and `compiled:PRESET` (the whole step compiled
 over a fixed-capacity torchkv cache), as `torchkv.eval.rows.method` builds them; `tuned` and `compiled:tuned` are
 the widths of the folder `--tuned` (tuned on SmolLM2, per layer or per KV head) placed on the cell's shape
-(`on_shape`). Each row fills a cache with a
-prompt in chunks of at most 4096 tokens twice (timed: its first prefill at that size, then the steady one; a torchkv
-row's later chunks attend the compressed history, as in chunked serving), runs --warmup untimed steps on the second
-(where compiled rows compile; torchkv rows one chunk of steps more) and --steps timed ones. Every run writes its own
-DIR/gpu_decode_<device>_<timestamp>.{json,md,png}; the JSON and the Markdown are rewritten after every row, so a run
-cut short keeps what it measured. Rows not started by --deadline-seconds are recorded as skipped.
+(`on_shape`). Each row fills a cache with a prompt in chunks of at most 4096 tokens twice (timed: its first prefill
+at that size, then the steady one; a torchkv row's later chunks attend the compressed history, as in chunked
+serving), runs --warmup untimed steps on the second (where compiled rows compile; torchkv rows one chunk of steps
+more) and --steps timed ones. Every run writes its own DIR/gpu_decode_<device>_<timestamp>.{json,md,png}; the JSON
+and the Markdown are rewritten after every row, so a run cut short keeps what it measured. Rows not started by --deadline-seconds are recorded as skipped.
 """
 
 import argparse
