@@ -13,7 +13,8 @@ the widths of the folder `--tuned` (tuned on SmolLM2, per layer or per KV head) 
 at that size, then the steady one; a torchkv row's later chunks attend the compressed history, as in chunked
 serving), runs --warmup untimed steps on the second (where compiled rows compile; torchkv rows one chunk of steps
 more) and --steps timed ones. Every run writes its own DIR/gpu_decode_<device>_<timestamp>.{json,md,png}; the JSON
-and the Markdown are rewritten after every row, so a run cut short keeps what it measured. Rows not started by --deadline-seconds are recorded as skipped.
+and the Markdown are rewritten after every row, so a run cut short keeps what it measured. Rows not started by
+--deadline-seconds are recorded as skipped.
 """
 
 import argparse
