@@ -7,9 +7,13 @@ from hypothesis import strategies as st
 
 import torchkv
 import torchkv.transforms as T
+from torchkv.corpora import documents
+from torchkv.eval.reconstruction import key_rel_error
 from torchkv.methods.frontier import PRESETS
+from torchkv.models.capture import capture_qkv
 from torchkv.pipeline import Chain, KVPipeline, LayerState
-from torchkv.testing import capture_kv, sqnr
+from torchkv.ops import apply_rope
+from torchkv.testing import capture_kv, rope_tables, sqnr
 from torchkv.transforms import Context
 
 #: SmolLM2's cache shape: 30 layers of 3 KV heads x 64
@@ -93,6 +97,30 @@ def test_centring_removes_what_per_token_codes_would_spend_their_bits_on(offset,
     assert errors[True] > errors[False] + 6
 
 
+@given(offset=st.floats(2.0, 50.0), seed=st.integers(0, 1000))
+def test_a_turned_offset_is_removed_by_rotary_centring_only(offset, seed):
+    """Post-RoPE keys whose pre-RoPE channels share a large offset: over 2K positions the offset turns, so the
+    fixed centre leaves it in the codes and the turned one (`predict.rotary_center`) takes it out."""
+    g = torch.Generator().manual_seed(seed)
+    rope = rope_tables(1, 2048, 64)
+    k = apply_rope(torch.randn(1, 1, 2048, 64, generator=g) + offset * torch.randn(64, generator=g),
+                   rope["cos"], rope["sin"])
+    errors = {}
+    for centre in ("center", "rotary_center"):
+        chain = Chain([T.predict(centre), T.quantize("higgs", bits=2, dim=4), T.pack()])
+        own = LayerState({}, chain.prepare(k, LayerState({}, {}, rope), None), rope)
+        errors[centre] = sqnr(k, chain.decode(chain.encode(k, own, None), 64, own))
+    assert errors["rotary_center"] > errors["center"] + 6
+
+
+def test_rotary_centring_is_one_of_two_centres_and_rebuilds_its_keys():
+    with pytest.raises(ValueError, match="center=True or rotary_center=True, not both"):
+        KVPipeline.from_preset("frontier-2bit", center=True, rotary_center=True)
+    pipe = KVPipeline.from_preset("frontier-2bit", rotary_center=True)
+    assert pipe.requires >= {"cos", "sin"}
+    assert "predict.rotary_center" in pipe.keys.rebuilds["scores"]
+
+
 @pytest.mark.model
 @pytest.mark.eager_first
 def test_real_keys_quantize_better_on_the_4d_grid_and_decode_reads_them(smollm2):
@@ -111,4 +139,22 @@ def test_real_keys_quantize_better_on_the_4d_grid_and_decode_reads_them(smollm2)
         assert quality[4] > quality[2] + 0.3, quality
     with torchkv.patched(model, "frontier-2.5bit"), torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape == (1, 328)
+
+
+@pytest.mark.model
+def test_rotary_centring_halves_real_key_error_and_generates_through_the_cache(smollm2):
+    """SmolLM2's keys of held-out code: turning each head's pre-RoPE median to the key's position before the 2-bit
+    code cuts the key error by more than a third (0.30 -> 0.16 measured); a patched generate() decodes with it."""
+    model, tokenizer = smollm2
+    ids = documents(tokenizer, 512, 1, "eval", "code")
+    _, layers = capture_qkv(model, ids)
+    errors = {}
+    for rotary in (False, True):
+        pipe = KVPipeline.from_preset("frontier-2bit", rotary_center=rotary)
+        pipe.compile = False
+        errors[rotary] = key_rel_error(pipe, model, layers, 256)
+    assert errors[True] < 0.65 * errors[False], errors
+    with torchkv.patched(model, "frontier-2bit:rotary_center=True"), torch.no_grad():
+        out = model.generate(ids[:, :320], max_new_tokens=8, do_sample=False)
     assert out.shape == (1, 328)

@@ -38,6 +38,7 @@ EXAMPLES = {
     ("predict", "linear"): [{}, {"sources": ("keys", "previous"), "weight_dtype": "float32"}],
     ("predict", "delta"): [{}],
     ("predict", "center"): [{}],
+    ("predict", "rotary_center"): [{}],
     ("project", "balance"): [{}],
     ("project", "weights"): [
         {"basis_dtype": "float32"},

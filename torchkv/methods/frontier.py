@@ -28,16 +28,18 @@ VALUES = ("uniform", "higgs")
 
 
 def _keys(bits: int, dim: int, span: str, center: bool, balance: bool, scale_dtype: str,
-          query_metric: bool = False) -> list:
-    """Centred (and balanced) HIGGS keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one
-    has them (2-D for 3 and 4 bits, 8-D for 1 bit); with `query_metric`, codes chosen under the balanced prompt
-    queries' second moment."""
+          query_metric: bool = False, rotary_center: bool = False) -> list:
+    """Centred (`center`: by a fixed offset; `rotary_center`: by one turned to each position) and balanced HIGGS
+    keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one has them (2-D for 3 and 4 bits,
+    8-D for 1 bit); with `query_metric`, codes chosen under the balanced prompt queries' second moment."""
+    if center and rotary_center:
+        raise ValueError("frontier takes center=True or rotary_center=True, not both: each removes the keys' offset")
     if query_metric and not balance:
         raise ValueError("frontier query_metric=True chooses key codes under the balanced prompt queries: it needs "
                          "balance=True")
     dim = higgs_dim(bits, dim) or dim  # no grid has `bits`: the quantizer's error lists the shipped ones
     higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype, query_metric=query_metric)
-    return [*([T.predict("center")] if center else []),
+    return [*([T.predict("center")] if center else []), *([T.predict("rotary_center")] if rotary_center else []),
             *([T.project("balance")] if balance else []), higgs, T.pack()]
 
 
@@ -52,8 +54,10 @@ def frontier(
     bits: int = 2, dim: int = 4, span: str = "head", center: bool = False, balance: bool = True,
     values: str = "uniform", scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4,
     residual: int = 128, chunk: int = 32, key_bits: int | None = None, query_metric: bool = False,
+    rotary_center: bool = False,
 ) -> KVPipeline:
-    """Keys: optionally centred (`center`), query-balanced (`balance`) post-RoPE HIGGS at `key_bits` (default `bits`)
+    """Keys: optionally centred (`center`, or `rotary_center` by the prompt's pre-RoPE medians turned to each
+    position; decode then rebuilds them), query-balanced (`balance`) post-RoPE HIGGS at `key_bits` (default `bits`)
     on the `dim`-D grid, one norm per `span` ("head": a KV head's features of a token; "token": all its KV heads),
     each code and norm chosen under the balanced prompt queries' second moment where `query_metric`;
     values: `values` "uniform" (Hadamard, then a Gaussian-step scale per token and head) or "higgs" at `bits`;
@@ -62,7 +66,7 @@ def frontier(
         raise ValueError(f"frontier values={values!r}; allowed: {VALUES}")
 
     def chains(width: int, key_width: int) -> tuple[list, list]:
-        return (_keys(key_width, dim, span, center, balance, scale_dtype, query_metric),
+        return (_keys(key_width, dim, span, center, balance, scale_dtype, query_metric, rotary_center),
                 _values(width, values, dim, span, scale_dtype))
 
     keys, vals = chains(bits, bits if key_bits is None else key_bits)

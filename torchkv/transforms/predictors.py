@@ -5,10 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
-from torchkv.ops import weight_factors
+from torchkv.ops import apply_rope, weight_factors
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, ProjectionWeights, Transform, TransformConfig
 from torchkv.transforms.quantizers import META_DTYPES, check_meta_dtype
+from torchkv.transforms.rotations import rope_tables
 
 #: what a prediction may read: the previous layer's reconstruction of this chain's tokens, and (value chain)
 #: this layer's reconstructed keys, both in projection space (see `KVPipeline.carries`)
@@ -145,10 +146,7 @@ class Center(Transform):
     linear = True
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
-        x = x.float()
-        if ctx.valid is not None:
-            x = x.masked_fill(~ctx.valid[:, None, :, None], float("nan"))
-        return {"center": x.nanmedian(2, keepdim=True).values.nan_to_num(0.0)}
+        return {"center": _channel_medians(x, ctx.valid)}
 
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return x.float() - ctx.prepared["center"], {}
@@ -164,3 +162,47 @@ class Center(Transform):
 
     def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
         return o + total * ctx.prepared["center"]
+
+
+def _channel_medians(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Per-channel medians over tokens of `x: [B, H, T, F]`, pads (`valid` False) excluded: `[B, H, 1, F]`."""
+    x = x.float()
+    if valid is not None:
+        x = x.masked_fill(~valid[:, None, :, None], float("nan"))
+    return x.nanmedian(2, keepdim=True).values.nan_to_num(0.0)
+
+
+@register_transform("predict", "rotary_center")
+class RotaryCenter(Transform):
+    """Predict every post-RoPE key by its head's median pre-RoPE key over the prompt turned to the key's position,
+    `R_t·μ`, and keep the residual `x − R_t·μ`.
+
+    A key channel pair with a large mean turns with RoPE over the context, so no fixed offset removes it
+    (`predict.center` gains at 2K and loses at 8K); turned with the token it is removed at every position, and a
+    per-token code (HIGGS' one norm per row) spends its bits on what varies. Decode attention rebuilds the keys
+    (`R_t·μ` depends on each token's position; a per-token score offset is not yet fused).
+
+    prepare: post-RoPE prompt keys `x: [B, H, T, D]` and their "cos"/"sin" -> "center" `[B, H, 1, D]` float32,
+    the medians of `R_t⁻¹·x` (pads excluded).
+    encode: `x − R_t·μ`; decode: `y + R_t·μ`, with the tokens' "cos"/"sin" `[B, T, R]`.
+    """
+
+    needs_prepare = True
+    prepares = frozenset({"center"})
+    requires = frozenset({"cos", "sin"})
+
+    def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
+        cos, sin = rope_tables(self, ctx)
+        return {"center": _channel_medians(apply_rope(x, cos, -sin), ctx.valid)}
+
+    def _turned(self, ctx: Context) -> torch.Tensor:
+        """`R_t·μ` `[B, H, T, D]` for the tokens at hand."""
+        cos, sin = rope_tables(self, ctx)
+        center = ctx.prepared["center"]
+        return apply_rope(center.expand(-1, -1, cos.shape[1], -1), cos, sin)
+
+    def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return x.float() - self._turned(ctx), {}
+
+    def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
+        return y.float() + self._turned(ctx)

@@ -54,19 +54,21 @@ class PreRope(Transform):
 
     requires = frozenset({"cos", "sin"})
 
-    def _rope(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
-        if "cos" not in ctx.inputs or "sin" not in ctx.inputs:
-            raise ValueError(
-                f"{self.kind}.{self.name} needs the rotary tables of the tokens' positions: patch the model with "
-                "torchkv.patch, or pass inputs={'cos': cos, 'sin': sin} ([batch, tokens, rotary_dim], the model's "
-                f"rotary embedding) to KVPipeline.prepare/encode_chunk/decode_chunk; got inputs {sorted(ctx.inputs)}"
-            )
-        return ctx.inputs["cos"], ctx.inputs["sin"]
-
     def encode(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cos, sin = self._rope(ctx)
+        cos, sin = rope_tables(self, ctx)
         return apply_rope(x, cos, -sin), {}
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
-        cos, sin = self._rope(ctx)
+        cos, sin = rope_tables(self, ctx)
         return apply_rope(y, cos, sin)
+
+
+def rope_tables(transform: Transform, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables "cos"/"sin" `[B, T, R]` of the tokens at hand, which `transform` requires."""
+    if "cos" not in ctx.inputs or "sin" not in ctx.inputs:
+        raise ValueError(
+            f"{transform.kind}.{transform.name} needs the rotary tables of the tokens' positions: patch the model with "
+            "torchkv.patch, or pass inputs={'cos': cos, 'sin': sin} ([batch, tokens, rotary_dim], the model's "
+            f"rotary embedding) to KVPipeline.prepare/encode_chunk/decode_chunk; got inputs {sorted(ctx.inputs)}"
+        )
+    return ctx.inputs["cos"], ctx.inputs["sin"]
