@@ -31,7 +31,7 @@ def static_refusal(pipeline: KVPipeline) -> str | None:
     if "x" in pipeline.requires:
         return "it caches the layer input X and rebuilds keys and values from it"
     if {"cos", "sin"} & pipeline.requires:
-        return "it stores pre-RoPE keys, rotated at each position when read"
+        return "it reads each held token's rotary position (pre-RoPE keys, or a key centre turned to it)"
     return None
 
 

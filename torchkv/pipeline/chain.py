@@ -113,11 +113,14 @@ class Chain:
         (requires `scores_stored`)."""
         q, offset = self.mapped_query(q, dim, own)
         scores = self.transforms[self.reader].scores(q, state["out"], substate(state, f"{self.reader}."))
-        return scores if offset is None else scores + offset[..., None]  # offset [B, H, g, 1, 1]
+        if offset is None:
+            return scores
+        return scores + offset.unflatten(-1, scores.shape[-2:] if offset.shape[-1] > 1 else (1, 1))
 
     def mapped_query(self, q: torch.Tensor, dim: int, own: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`q: [B, H, g, dim]` carried through the transforms before the reader: `(q', offset)` with
-        `q·x = q'·y + offset` for y the reader's input; offset `[B, H, g, 1]` or None (requires `scores_stored`)."""
+        `q·x = q'·y + offset` for y the reader's input; offset `[B, H, g, 1]`, `[B, H, g, T]` where a transform's
+        offset is per token, or None (requires `scores_stored`)."""
         dims, total = self.dims(dim), None
         for i, t in enumerate(self.transforms[: self.reader]):
             ctx = self._ctx(i, dims[i], own)

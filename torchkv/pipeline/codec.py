@@ -236,6 +236,9 @@ class Codec:
             return None, "the pipeline predicts across layers or selects chunks"
         if not (self.keys.scores_stored and self.values.sums_stored):
             return None, "decode attention rebuilds its keys or values"
+        turned = [t for t in self.keys.transforms[: self.keys.reader] if t.offset_per_token]
+        if turned:
+            return None, f"{turned[0]!r} adds a score offset per token (its position), which no kernel reads yet"
         if any(chain.dims(head_dim)[chain.reader] != head_dim for chain in (self.keys, self.values)):
             return None, "a transform before a quantizer changes the feature size, which no kernel reads"
         k, v = self.keys.transforms[self.keys.reader], self.values.transforms[self.values.reader]

@@ -156,6 +156,9 @@ class Transform:
     #: scores and weighted sums can be computed in the encoded space through `map_query` / `map_output`
     #: (rotations, projections, centring).
     linear: ClassVar[bool] = False
+    #: `score_offset` is per token, `[B, H, g, T]` (it reads each token's position), which the GPU kernels do
+    #: not take
+    offset_per_token: ClassVar[bool] = False
     #: `scores`/`weighted_sum` read planar-packed codes (the chain must end with a planar pack after it)
     reads_packed: ClassVar[bool] = False
     #: they also read codes packed in words (3, 5, 6, 7 bits): the reader unpacks each token's codes before it
@@ -181,7 +184,8 @@ class Transform:
         raise NotImplementedError(f"{self.kind}.{self.name} is not linear")
 
     def score_offset(self, q: torch.Tensor, ctx: Context) -> torch.Tensor | None:
-        """`[B, H, g, 1]` with `q · x = map_query(q) · encode(x) + offset` for every x; None for a linear map."""
+        """`[B, H, g, 1]` (or `[B, H, g, T]` per token, `offset_per_token`) with `q · x = map_query(q) · encode(x) +
+        offset` for every x; None for a linear map."""
         return None
 
     def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:

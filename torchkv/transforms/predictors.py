@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchkv.ops import apply_rope, weight_factors
+from torchkv.ops import apply_rope, turned_dot, weight_factors
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, ProjectionWeights, Transform, TransformConfig
 from torchkv.transforms.quantizers import META_DTYPES, check_meta_dtype
@@ -179,17 +179,24 @@ class RotaryCenter(Transform):
 
     A key channel pair with a large mean turns with RoPE over the context, so no fixed offset removes it
     (`predict.center` gains at 2K and loses at 8K); turned with the token it is removed at every position, and a
-    per-token code (HIGGS' one norm per row) spends its bits on what varies. Decode attention rebuilds the keys
-    (`R_t·μ` depends on each token's position; a per-token score offset is not yet fused).
+    per-token code (HIGGS' one norm per row) spends its bits on what varies.
 
     prepare: post-RoPE prompt keys `x: [B, H, T, D]` and their "cos"/"sin" -> "center" `[B, H, 1, D]` float32,
     the medians of `R_t⁻¹·x` (pads excluded).
-    encode: `x − R_t·μ`; decode: `y + R_t·μ`, with the tokens' "cos"/"sin" `[B, T, R]`.
+    encode: `x − R_t·μ`; decode: `y + R_t·μ`, with the tokens' "cos"/"sin" `[B, T, R]`. Decode attention scores
+    the residual's stored form and adds `q·R_t·μ` per token (`score_offset`, 2R multiply-adds a token from the
+    tokens' cos/sin); weighted sums of keys are not read.
     """
 
     needs_prepare = True
     prepares = frozenset({"center"})
     requires = frozenset({"cos", "sin"})
+    linear = True
+    offset_per_token = True
+
+    @property
+    def maps_output(self) -> bool:
+        return False  # Σ_t p_t·R_t·μ is per token as well; decode attention never sums keys
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
         cos, sin = rope_tables(self, ctx)
@@ -206,3 +213,10 @@ class RotaryCenter(Transform):
 
     def decode(self, y: torch.Tensor, state: Mapping[str, torch.Tensor], ctx: Context) -> torch.Tensor:
         return y.float() + self._turned(ctx)
+
+    def map_query(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return q
+
+    def score_offset(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        cos, sin = rope_tables(self, ctx)
+        return turned_dot(q, ctx.prepared["center"], cos, sin)  # [B, H, g, T]
