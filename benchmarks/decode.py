@@ -33,6 +33,7 @@ import torchkv
 from torchkv.eval.rows import BASELINES, COMPILED, STATIC_BASELINE, method
 from torchkv.eval.runner import machine
 from torchkv.eval.speed import generation_profile, sync
+from torchkv.testing import rope_tables
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 10) -> float:
@@ -87,15 +88,19 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
     k, v = randn(batch, heads, n_enc, dim), randn(batch, heads, n_enc, dim)
+    # the encoded tokens' rotary tables, for pipelines that read positions (pre-RoPE keys, a turned key centre)
+    rope = ({n: t.to(device, dtype) for n, t in rope_tables(batch, n_enc, dim).items()}
+            if {"cos", "sin"} & pipe.requires else {})
     prepared = None
     if pipe.needs_prepare:  # per-prompt state (frontier's balance scales) from the prompt's queries
-        prepared = pipe.prepare(k, v, inputs={"queries": randn(batch, heads * groups, n_enc, dim)})
-    state = pipe.encode_chunk(k, v, prepared=prepared)
+        prepared = pipe.prepare(k, v, inputs={"queries": randn(batch, heads * groups, n_enc, dim), **rope})
+    state = pipe.encode_chunk(k, v, prepared=prepared, inputs=rope)
     chunks = n_enc // pipe.chunk
     encoded = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}
     k_fp, v_fp = randn(batch, heads, context - n_enc, dim), randn(batch, heads, context - n_enc, dim)
     q = randn(batch, heads * groups, 1, dim)
-    fused_s = _timed(lambda: pipe.attend_decode(q, encoded, k_fp, v_fp, None, dim**-0.5, prepared=prepared), 20, device)
+    fused_s = _timed(lambda: pipe.attend_decode(q, encoded, k_fp, v_fp, None, dim**-0.5, prepared=prepared,
+                                                inputs=rope), 20, device)
     full_k, full_v = torch.cat([k, k_fp[:, :, :-1]], 2), torch.cat([v, v_fp[:, :, :-1]], 2)
 
     def dynamic_step():

@@ -13,7 +13,10 @@ medians first (`center`, `predict.center`) is off: on SmolLM2 it gains 0.3 point
 loses 0.7 at 8K and a quarter of the pass-key answers at 4K, because a rotary pair that turns over the context
 has no offset that the prompt's median could remove. Choosing key codes under the prompt queries' metric
 (`query_metric`) is off too: at 2K / 8K in prompt mode it gains 1.4 / 0.7 points on wiki and loses 0.9 / 3.0 on
-code (`benchmarks/results/domains/ablations/`). The measurements behind each choice are in
+code (`benchmarks/results/domains/ablations/`). Centring keys by the prompt's pre-RoPE medians turned to each
+position (`rotary_center`, `predict.rotary_center`) is off while it is measured: at 2K in prompt mode it gains
+1.2-1.6 points on every domain; 8K, streaming, the needle and decode speed are not measured, and no GPU kernel
+takes it. The measurements behind each choice are in
 `benchmarks/results/frontier/`.
 """
 
