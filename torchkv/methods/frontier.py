@@ -60,7 +60,7 @@ def frontier(
     rotary_center: bool = False,
 ) -> KVPipeline:
     """Keys: optionally centred (`center`, or `rotary_center` by the prompt's pre-RoPE medians turned to each
-    position; decode then rebuilds them), query-balanced (`balance`) post-RoPE HIGGS at `key_bits` (default `bits`)
+    position, an offset decode adds to each token's score), query-balanced (`balance`) post-RoPE HIGGS at `key_bits` (default `bits`)
     on the `dim`-D grid, one norm per `span` ("head": a KV head's features of a token; "token": all its KV heads),
     each code and norm chosen under the balanced prompt queries' second moment where `query_metric`;
     values: `values` "uniform" (Hadamard, then a Gaussian-step scale per token and head) or "higgs" at `bits`;
