@@ -1,4 +1,5 @@
-"""TrackedPositions: the position id of every token a store holds, for pipelines that store keys before RoPE."""
+"""TrackedPositions: the position id of every token a store holds, for pipelines that read positions (keys stored
+before RoPE, a centre turned to each position); SharedRope: what the layers of one cache share of them."""
 
 from collections.abc import Callable
 
@@ -10,33 +11,86 @@ from torchkv.encoded import appended, owned
 RopeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-class TrackedPositions:
-    """Position ids `[B, length]` of the tokens held, in sequence order, and the rotary embedding of any of them
-    (what transforms that require "cos"/"sin" read).
+class SharedRope:
+    """A model's rotary embedding as the stores of one cache's layers that use it call it.
+
+    The layers hold the same tokens at the same positions, so what each would compute alone is computed once a step:
+    - `extended`: the position ids after a step's tokens, one tensor for every layer that held the same ids before and
+      is given the same new positions (the model passes one `position_ids` tensor to every layer);
+    - `tables`: the cos/sin of a range of those ids, the last `KEPT` ranges kept until `release` (the cache releases
+      them after its last layer, so that an idle cache holds none).
+
+    Both match by identity only (which ids tensor, which positions tensor), never by value: nothing is read back from
+    the device, and a layer whose ids differ (a beam reorder, a crop) computes its own, as it would alone.
 
     Args:
         rope: the model's rotary embedding.
     """
 
+    #: tables kept: a step asks for two ranges, the encoded tokens (decode attention) and, when the window flushes,
+    #: the chunk it encodes
+    KEPT = 2
+
     def __init__(self, rope: RopeFn):
         self.rope = rope
+        self._extended: tuple | None = None  # (ids before, positions given, batch, tokens, device, ids after)
+        self._tables: list[tuple] = []  # (ids, start, end, cos, sin), the newest last
+
+    def extended(self, ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, tokens: int,
+                 device: torch.device) -> torch.Tensor:
+        """`ids [B, held]` followed by `tokens` new ids: `positions [B or 1, T]`, or by default their index."""
+        last = self._extended
+        if last is not None and last[0] is ids and last[1] is positions and last[2:5] == (batch, tokens, device):
+            return last[5]
+        held = 0 if ids is None else ids.shape[1]
+        new = torch.arange(held, held + tokens, device=device)[None] if positions is None else positions
+        after = appended(ids, new.expand(batch, tokens).long(), 1)
+        self._extended = (ids, positions, batch, tokens, device, after)
+        return after
+
+    def tables(self, ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) `[B, end - start, R]` of `ids[:, start:end]`."""
+        for held, *rest in self._tables:
+            if held is ids and rest[:2] == [start, end]:
+                return rest[2], rest[3]
+        cos, sin = self.rope(ids[:, start:end])
+        self._tables = [*self._tables[-(self.KEPT - 1):], (ids, start, end, cos, sin)]
+        return cos, sin
+
+    @property
+    def tables_held(self) -> int:
+        return len(self._tables)
+
+    def release(self) -> None:
+        """Forget the tables (and the last ids, whose memory a store may since have dropped)."""
+        self._extended, self._tables = None, []
+
+
+class TrackedPositions:
+    """Position ids `[B, length]` of the tokens held, in sequence order, and the rotary embedding of any of them
+    (what transforms that require "cos"/"sin" read).
+
+    Args:
+        rope: the model's rotary embedding: a `SharedRope` the cache's other layers share, or a function (shared by
+            no other store).
+    """
+
+    def __init__(self, rope: RopeFn | SharedRope):
+        self.shared = rope if isinstance(rope, SharedRope) else SharedRope(rope)
         self.ids: torch.Tensor | None = None
 
     def extend(self, positions: torch.Tensor | None, batch: int, tokens: int, device: torch.device) -> None:
         """Keep `tokens` new tokens' position ids `[B or 1, T]` (default: their index in the sequence)."""
-        held = 0 if self.ids is None else self.ids.shape[1]
-        if positions is None:
-            positions = torch.arange(held, held + tokens, device=device)[None]
-        self.ids = appended(self.ids, positions.expand(batch, tokens).long(), 1)
+        self.ids = self.shared.extended(self.ids, positions, batch, tokens, device)
 
     def rope_inputs(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """`{"cos", "sin"}` of the tokens held at indices [start, end)."""
-        cos, sin = self.rope(self.ids[:, start:end])
+        cos, sin = self.shared.tables(self.ids, start, end)
         return {"cos": cos, "sin": sin}
 
     def rope_at(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """`{"cos", "sin"}` of the tokens held at `index: [B, N]`."""
-        cos, sin = self.rope(self.ids.gather(1, index))
+        cos, sin = self.shared.rope(self.ids.gather(1, index))
         return {"cos": cos, "sin": sin}
 
     def tensors(self) -> dict[str, torch.Tensor]:

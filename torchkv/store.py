@@ -13,7 +13,7 @@ import torch
 from torchkv.encoded import EncodedChunks, appended, owned
 from torchkv.fp_window import FullPrecisionWindow
 from torchkv.pipeline import KVPipeline
-from torchkv.positions import RopeFn, TrackedPositions
+from torchkv.positions import RopeFn, SharedRope, TrackedPositions
 
 
 
@@ -79,12 +79,14 @@ class KVStore:
         pipeline: how chunks are encoded.
         layer: the model layer index (selects per-layer fitted parameters).
         rope: the model's rotary embedding, needed when a transform requires "cos"/"sin"
-            (the store then keeps every token's position id).
+            (the store then keeps every token's position id): a `SharedRope` that the cache's other layers share,
+            or a function.
         cross_layer: shared by the stores of every layer when the pipeline predicts across layers.
     """
 
     def __init__(
-        self, pipeline: KVPipeline, layer: int = 0, rope: RopeFn | None = None, cross_layer: CrossLayer | None = None
+        self, pipeline: KVPipeline, layer: int = 0, rope: RopeFn | SharedRope | None = None,
+        cross_layer: CrossLayer | None = None,
     ):
         pipeline = pipeline.for_layer(layer)
         if pipeline.carries and cross_layer is None:
@@ -162,7 +164,7 @@ class KVStore:
         if self._enters_window(t):
             self.recent.reserve(k, v, n + t, x)
             self.recent.with_new(k, v)
-            self._count_in_window(t, valid, x)
+            self._count_in_window(k, valid, x, positions)
             return
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
@@ -219,13 +221,17 @@ class KVStore:
 
     def _enters_window(self, tokens: int) -> bool:
         """Appending `tokens` completes no chunk: they only enter the window (a decode step's token, mostly)."""
-        return (self.n_residual + tokens < self.window_limit and self.n_sinks == self.pipeline.sinks and self.length > 0
-                and not self.tracks_positions)
+        return self.n_residual + tokens < self.window_limit and self.n_sinks == self.pipeline.sinks and self.length > 0
 
-    def _count_in_window(self, tokens: int, valid: torch.Tensor | None, x: torch.Tensor | None) -> None:
-        """Count the `tokens` written after the window as held (their validity and layer inputs with them)."""
-        self.recent.count(tokens, valid, x)
-        self.length += tokens
+    def _count_in_window(self, k: torch.Tensor, valid: torch.Tensor | None, x: torch.Tensor | None,
+                         positions: torch.Tensor | None) -> None:
+        """Count the tokens `k: [B, H, T, D]` written after the window as held (their validity, layer inputs and
+        position ids with them)."""
+        b, _, t, _ = k.shape
+        self.recent.count(t, valid, x)
+        if self.positions is not None:
+            self.positions.extend(positions, b, t, k.device)
+        self.length += t
 
     def attention_order(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """A mask over the held tokens and new ones `[..., length + new]` in sequence order (sinks, encoded, window,
@@ -273,7 +279,7 @@ class KVStore:
         )
         self.hand_over(carry)
         if self._enters_window(1):
-            self._count_in_window(1, valid, x)
+            self._count_in_window(k, valid, x, positions)
         else:
             attention = fp_attention[None] if window is not None and window.reads_attention else None
             self.append(k, v, valid=valid, positions=positions, inputs=inputs, attention=attention)

@@ -5,6 +5,7 @@ import torch
 
 import torchkv
 import torchkv.transforms as T
+from torchkv.models import arch as arch_module
 from torchkv.models import cache_argument
 from torchkv.testing import TINY_ARCHITECTURES, tiny_model
 
@@ -49,6 +50,36 @@ def test_pre_rope_storage_is_lossless(arch):
     with torchkv.patched(model, lossless(pre_rope=True)):
         got = _generate(model, ids, mask)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("pad", [0, 5])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_layers_share_positions_and_rope_without_changing_a_token(arch, pad, monkeypatch):
+    """A cache's layers share their position ids and a step's cos/sin, one `SharedRope` per rotary embedding (Gemma 3
+    has two): greedy tokens through a lossy pipeline that reads positions equal those of layers that share nothing,
+    and unpadded, each rotary embedding runs once where each layer ran it (a left-padded batch's row groups share
+    nothing, and stay exact)."""
+    model = tiny_model(arch, layers=6)
+    ids, mask = _prompt(pad=pad)
+    pipe = torchkv.KVPipeline.from_preset("frontier-2bit", rotary_center=True, residual=8, chunk=8, compile=False)
+    kinds = len({id(fn) for fn in arch_module.rope_fns(model)})
+    assert kinds == (2 if arch == "gemma3_text" else 1)
+    shared_fns = arch_module.rope_fns
+    own_fns = [arch_module.rope_fn(model, i) for i in range(6)]  # one function per layer: nothing shared
+    results = {}
+    for name, ropes in (("shared", shared_fns), ("own", lambda model: own_fns)):
+        calls = []
+        counted = {}  # a counting wrapper per function, so that layers sharing a function still share it
+
+        def counting(model, ropes=ropes, counted=counted, calls=calls):
+            return [counted.setdefault(id(fn), lambda p, fn=fn: calls.append(p.shape) or fn(p)) for fn in ropes(model)]
+
+        monkeypatch.setattr(arch_module, "rope_fns", counting)
+        with torchkv.patched(model, pipe):
+            results[name] = (_generate(model, ids, mask), len(calls))
+    assert torch.equal(results["shared"][0], results["own"][0])
+    if not pad:
+        assert results["shared"][1] * 6 <= results["own"][1] * kinds, results  # once a step per rotary embedding
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])

@@ -117,6 +117,10 @@ def test_compiled_decode_matches_eager_and_never_rebuilds_the_history(smollm2, c
             steps.append(torch.stack([model(tokens[:, i : i + 1], **cache_argument(model, cache)).logits[0, -1]
                                       for i in range(tokens.shape[1])]))
             monkeypatch.undo()
+            stores = [layer.store for layer in cache.layers]
+            if stores[0].positions is not None:  # the layers hold one ids tensor; no step's cos/sin outlives it
+                assert all(s.positions.ids is stores[0].positions.ids for s in stores)
+                assert stores[0].positions.shared.tables_held == 0
             flushed = cache.layers[0].store.n_encoded > encoded
             assert flushed != isinstance(p.window, PromptOnly), f"flushed: {flushed}, window: {p.window}"
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=2e-3)

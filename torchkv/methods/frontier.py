@@ -15,9 +15,9 @@ has no offset that the prompt's median could remove. Choosing key codes under th
 (`query_metric`) is off too: at 2K / 8K in prompt mode it gains 1.4 / 0.7 points on wiki and loses 0.9 / 3.0 on
 code (`benchmarks/results/domains/ablations/`). Centring keys by the prompt's pre-RoPE medians turned to each
 position (`rotary_center`, `predict.rotary_center`) is off while it is measured: at 2K in prompt mode it gains
-1.2-1.6 points on every domain, but the model decodes at 0.71x on CPU (each layer's store tracks positions and
-recomputes their cos/sin every step); 8K, streaming and the needle are not measured, and no GPU kernel takes it. The measurements behind each choice are in
-`benchmarks/results/frontier/`.
+1.2-1.6 points on every domain, and the model decodes at 0.92x on CPU (its attention reads every held token's
+cos/sin); 8K, streaming and the needle are not measured, and no GPU kernel takes it. The measurements behind each
+choice are in `benchmarks/results/frontier/`.
 """
 
 import functools

@@ -90,10 +90,28 @@ def attention_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 def rope_fn(model: nn.Module, layer_idx: int) -> RopeFn:
     """positions [B, T] -> (cos, sin) [B, T, R] with the model's own rotary embedding for that layer."""
+    return _rope_of_type(model, _rope_type(model, layer_idx))
+
+
+def rope_fns(model: nn.Module) -> list[RopeFn]:
+    """`rope_fn` of every layer, one function object for the layers that share a rotary embedding (Gemma 3: one for
+    its sliding layers, one for its global ones)."""
+    types = [_rope_type(model, i) for i in range(model.config.get_text_config(decoder=True).num_hidden_layers)]
+    by_type = {t: _rope_of_type(model, t) for t in set(types)}
+    return [by_type[t] for t in types]
+
+
+def _rope_type(model: nn.Module, layer_idx: int) -> str | None:
+    """The layer type the model's rotary embedding takes for that layer, or None where it takes none."""
     rotary = _get(model, arch_of(model).rotary)
-    config = model.config.get_text_config(decoder=True)
-    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
-    layer_type = config.layer_types[layer_idx] if per_type else None
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return None
+    return model.config.get_text_config(decoder=True).layer_types[layer_idx]
+
+
+def _rope_of_type(model: nn.Module, layer_type: str | None) -> RopeFn:
+    rotary = _get(model, arch_of(model).rotary)
+    per_type = layer_type is not None
     dtype = next(model.parameters()).dtype
 
     def rope(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -319,7 +319,7 @@ def torchkv_attention(
         out = _attend_by_row_group(layer, query, attention_mask, scaling, softcap, kwargs.get("position_ids"))
     else:
         out = _attend_and_commit(layer, query, attention_mask, scaling, softcap, kwargs.get("position_ids"))
-    layer.freeze()
+    layer.end_attention()
     return out.transpose(1, 2).contiguous(), None
 
 

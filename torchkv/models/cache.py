@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from torchkv.ops.attention import PREFILL_KERNELS
 from torchkv.pipeline import KVPipeline
+from torchkv.positions import SharedRope
 from torchkv.static_store import StaticKVStore, static_refusal
 from torchkv.store import CrossLayer, KVStore, RopeFn
 
@@ -71,6 +72,8 @@ class TorchKVLayer(CacheLayerMixin):
         #: [B, T, d] the attention block's input for the staged tokens, when the pipeline reads it
         #: (set by the attention pre-hook `patch` installs)
         self.layer_input: torch.Tensor | None = None
+        #: what the cache's layers shared during a step, released once this layer has attended (the cache's last)
+        self.releases: list[SharedRope] = []
 
     def split_rows(self, pads: list[int]) -> None:
         """Hold a left-padded batch (`pads`: each row's pad count) in row groups whose tokens are counted from their
@@ -143,6 +146,13 @@ class TorchKVLayer(CacheLayerMixin):
         `attention` as `KVStore.append` takes it)."""
         k, v, staged = self.take_staged()
         self.store.append(k, v, valid=valid, positions=positions, inputs={**inputs, **staged}, attention=attention)
+
+    def end_attention(self) -> None:
+        """After this layer's attention: freeze its tokens, and release what the cache's layers shared in the step
+        when it is the last."""
+        self.freeze()
+        for shared in self.releases:
+            shared.release()
 
     def freeze(self) -> None:
         """Move the store's tokens into the fixed-capacity buffers (after a prompt; eager)."""
@@ -254,7 +264,8 @@ class TorchKVCache(Cache):
     Args:
         pipeline: the compression recipe.
         num_layers: decoder layers.
-        rope: layer index -> the model's rotary embedding of that layer (for pre-RoPE pipelines).
+        rope: per layer, the model's rotary embedding of that layer (for pipelines that read positions); layers given
+            the same function share their position ids and, within a step, their cos/sin (`SharedRope`).
         sliding: per layer, whether it attends through a sliding window.
         simulated: new tokens are stored before they are attended to, so queries read every token in
             its compressed form (how papers report "simulated quantization" perplexity; use with
@@ -270,7 +281,7 @@ class TorchKVCache(Cache):
         self,
         pipeline: KVPipeline,
         num_layers: int,
-        rope: Callable[[int], RopeFn] | None = None,
+        rope: list[RopeFn] | None = None,
         sliding: list[bool] | None = None,
         simulated: bool = False,
         prefill_kernel: str = "auto",
@@ -292,11 +303,14 @@ class TorchKVCache(Cache):
                               "per-layer compiled attention instead.", stacklevel=2)
                 max_cache_len = None
         devices = devices or [None] * num_layers
+        shared = {} if rope is None else {id(fn): SharedRope(fn) for fn in rope}
         layers = [
-            TorchKVLayer(pipeline, i, None if rope is None else rope(i), sliding[i], simulated, prefill_kernel,
-                         cross_layer, max_cache_len, devices[i + 1 :].count(devices[i]), group_cross_layers)
+            TorchKVLayer(pipeline, i, None if rope is None else shared[id(rope[i])], sliding[i], simulated,
+                         prefill_kernel, cross_layer, max_cache_len, devices[i + 1 :].count(devices[i]),
+                         group_cross_layers)
             for i in range(num_layers)
         ]
+        layers[-1].releases = list(shared.values())  # the last layer of a step forgets the step's cos/sin
         super().__init__(layers=layers)
         self.pipeline = pipeline
         #: the model `torchkv.new_cache` made this cache for (a weak reference), or None; a patched model refuses
@@ -314,8 +328,10 @@ class TorchKVCache(Cache):
             )
 
     def nbytes(self) -> int:
-        """Bytes of storage of every tensor held by every layer."""
-        return sum(store.nbytes() for layer in self.layers for store in layer.stores())
+        """Bytes of storage of every tensor held by every layer, each storage once (layers share their position ids)."""
+        storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+                    for layer in self.layers for store in layer.stores() for t in store.tensors().values()}
+        return sum(storages.values())
 
     def encoded_bits_per_value(self) -> float:
         """Stored bits per encoded key or value over all layers, metadata included."""
