@@ -33,29 +33,30 @@ class SharedRope:
 
     def __init__(self, rope: RopeFn):
         self.rope = rope
-        self._extended: tuple | None = None  # (ids before, positions given, batch, tokens, device, ids after)
-        self._tables: list[tuple] = []  # (ids, start, end, cos, sin), the newest last
+        self._extended: tuple | None = None  # (ids before, positions given, (batch, tokens, device), ids after)
+        self._tables: list[tuple] = []  # (ids, (start, end), (cos, sin)), the newest last
 
     def extended(self, ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, tokens: int,
                  device: torch.device) -> torch.Tensor:
         """`ids [B, held]` followed by `tokens` new ids: `positions [B or 1, T]`, or by default their index."""
-        last = self._extended
-        if last is not None and last[0] is ids and last[1] is positions and last[2:5] == (batch, tokens, device):
-            return last[5]
+        if self._extended is not None:
+            before, given, shape, after = self._extended
+            if before is ids and given is positions and shape == (batch, tokens, device):
+                return after
         held = 0 if ids is None else ids.shape[1]
         new = torch.arange(held, held + tokens, device=device)[None] if positions is None else positions
         after = appended(ids, new.expand(batch, tokens).long(), 1)
-        self._extended = (ids, positions, batch, tokens, device, after)
+        self._extended = (ids, positions, (batch, tokens, device), after)
         return after
 
     def tables(self, ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) `[B, end - start, R]` of `ids[:, start:end]`."""
-        for held, *rest in self._tables:
-            if held is ids and rest[:2] == [start, end]:
-                return rest[2], rest[3]
-        cos, sin = self.rope(ids[:, start:end])
-        self._tables = [*self._tables[-(self.KEPT - 1):], (ids, start, end, cos, sin)]
-        return cos, sin
+        for held, span, cos_sin in self._tables:
+            if held is ids and span == (start, end):
+                return cos_sin
+        cos_sin = self.rope(ids[:, start:end])
+        self._tables = [*self._tables, (ids, (start, end), cos_sin)][-self.KEPT :]
+        return cos_sin
 
     @property
     def tables_held(self) -> int:
