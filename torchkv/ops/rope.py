@@ -23,17 +23,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def turned_dot(q: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`q · apply_rope(x)` at every position without forming the turned vectors: one vector `x` per KV head
-    turned to each of T positions, scored by g queries (`R_t·x = x·cos_t + rotate_half(x)·sin_t`).
+    turned to each of T positions, scored by g queries. Rotate-half pairs feature j with j + R/2 under one angle,
+    so the tables' halves are equal and only the first is read:
+    `q·R_t·x = Σ_{j<R/2} cos_tj·(q_j·x_j + q_{j+R/2}·x_{j+R/2}) + sin_tj·(q_{j+R/2}·x_j − q_j·x_{j+R/2})`.
 
     Args:
-        q: [B, H, g, D] float. x: [B, H, 1, D] float. cos, sin: [B, T, R], R ≤ D even.
+        q: [B, H, g, D] float. x: [B, H, 1, D] float. cos, sin: [B, T, R], R ≤ D even, halves equal.
 
     Returns:
         [B, H, g, T] float32.
     """
-    r = cos.shape[-1]
+    h = cos.shape[-1] // 2
     q, x = q.float(), x.float()
-    half = torch.cat([-x[..., r // 2 : r], x[..., : r // 2]], dim=-1)  # rotate_half of x's rotary part
-    out = torch.einsum("bhgr,btr->bhgt", q[..., :r] * x[..., :r], cos.float())
-    out = out + torch.einsum("bhgr,btr->bhgt", q[..., :r] * half, sin.float())
-    return out + (q[..., r:] * x[..., r:]).sum(-1, keepdim=True)
+    q1, q2, x1, x2 = q[..., :h], q[..., h : 2 * h], x[..., :h], x[..., h : 2 * h]
+    out = torch.einsum("bhgj,btj->bhgt", q1 * x1 + q2 * x2, cos[..., :h].float())
+    out = out + torch.einsum("bhgj,btj->bhgt", q2 * x1 - q1 * x2, sin[..., :h].float())
+    return out + (q[..., 2 * h :] * x[..., 2 * h :]).sum(-1, keepdim=True)
