@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchkv
@@ -101,3 +101,25 @@ def test_bad_preset_strings_say_how_to_write_them():
         torchkv.KVPipeline.from_preset("kivi-2bit:resid=8")
     with pytest.raises(ValueError, match="unknown preset 'kivi-3bit'"):
         torchkv.KVPipeline.from_preset("kivi-3bit:residual=8")
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_preset_with_overrides_is_spelled_so_that_it_builds_again(data):
+    """`spelling` gives a preset's name and the options that differ from its defaults (a tuned folder's report
+    keeps it, and `benchmarks/reallocate.py` builds the candidates from it): read back, it builds the same chains."""
+    from torchkv.pipeline.presets import spelling
+
+    name = data.draw(st.sampled_from(registry.preset_names()))
+    flags = sorted(k for k, v in registry.preset(name).options().items() if isinstance(v, bool))
+    flipped = data.draw(st.lists(st.sampled_from(flags), unique=True)) if flags else []
+    defaults = registry.preset(name).options()
+    try:
+        pipe = torchkv.KVPipeline.from_preset(name, **{k: not defaults[k] for k in flipped})
+    except ValueError:  # options that exclude each other
+        return
+    spelled = spelling(pipe)
+    assert spelled.split(":")[0] == name and len(spelled.split(":")) == 1 + len(flipped)
+    again = torchkv.KVPipeline.from_preset(spelled)
+    assert again.options == pipe.options and again.keys.spec() == pipe.keys.spec()
+    assert again.values.spec() == pipe.values.spec()

@@ -95,7 +95,9 @@ class KVStore:
         self.tracks_positions = bool({"cos", "sin"} & pipeline.requires)
         self.tracks_input = "x" in pipeline.requires  # XQuant encodes the window's tokens from their layer input
         if self.tracks_positions and rope is None:
-            raise ValueError(f"pipeline '{pipeline.name}' stores pre-RoPE keys; the store needs the model's rope function")
+            raise ValueError(f"pipeline '{pipeline.name}' reads the tokens' cos/sin in layer {layer} (pre-RoPE "
+                             "keys, or a turned centre); the store needs the model's rope function, as torchkv.patch "
+                             "gives it")
         self.reset()
 
     def reset(self) -> None:

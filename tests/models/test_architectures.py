@@ -52,6 +52,25 @@ def test_pre_rope_storage_is_lossless(arch):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_one_layer_that_reads_positions_gets_them(arch):
+    """A pipeline whose only layer 1 stores pre-RoPE keys (a layer's chains of its own): the cache gives that layer
+    the model's rotary embedding and only it tracks positions, and storage stays lossless."""
+    model = tiny_model(arch)
+    ids, mask = _prompt(pad=5)
+    expected = _generate(model, ids, mask)
+    plain, pre = lossless(), lossless(pre_rope=True)
+    pipe = torchkv.KVPipeline(plain.keys.transforms, plain.values.transforms, residual=8, chunk=8, compile=False,
+                              layers={1: (pre.keys.transforms, pre.values.transforms)})
+    assert {"cos", "sin"} <= pipe.layers_require and not {"cos", "sin"} & pipe.requires
+    with torchkv.patched(model, pipe):
+        cache = torchkv.new_cache(model)
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                             **cache_argument(model, cache))
+    assert [layer.store.tracks_positions for layer in cache.layers] == [i == 1 for i in range(len(cache.layers))]
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("pad", [0, 5])
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_layers_share_positions_and_rope_without_changing_a_token(arch, pad, monkeypatch):

@@ -307,3 +307,41 @@ def test_reallocating_a_tuned_folder_reproduces_it_and_meets_a_lower_budget():
         module.reallocate(src, 1.5, {"k": 1, "v": 1})
     with pytest.raises(ValueError, match="positive factor"):
         module.reallocate(src, 2.5, {"k": 1, "v": 1}, key_weight=0.0)
+
+
+@pytest.mark.model
+def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_better_of_each(tmp_path):
+    """`benchmarks/reallocate.py --also`: the committed per-head folders tuned with and without `rotary_center` on
+    the same windows, merged, predict no more KL at the same budget than either alone (a superset of candidates),
+    and centre the keys of some heads only; a folder merged with itself is itself; costs that disagree, or a folder
+    tuned on other windows, are refused."""
+    import shutil
+    from pathlib import Path
+
+    from torchkv.testing import load_script
+
+    root = Path(__file__).resolve().parents[2]
+    module = load_script(root / "benchmarks/reallocate.py")
+    tuned = root / "benchmarks/results/domains/ablations/tuned"
+    plain = tuned / "frontier-2bit@2.5_mixed_per_head_far"
+    centred = tuned / "frontier-2bit@2.5_mixed_per_head_rotary_center"
+    one = {"k": 1, "v": 1}
+    alone = [module.reallocate(src, 2.5, one)[1] for src in (plain, centred)]
+    pipe, merged = module.reallocate(plain, 2.5, one, also=centred)
+    assert merged["bits_per_value"] <= 2.5 and merged["also"] == str(centred)
+    assert merged["predicted_kl"] <= min(report["predicted_kl"] for report in alone) * (1 + 1e-9)
+    labels = [label for layer in merged["layers"] for label in
+              (layer["keys"] if isinstance(layer["keys"], dict) else {layer["keys"]: None})]
+    ours = [label.startswith("frontier-2bit:rotary_center=True/") for label in labels]
+    assert any(ours) and not all(ours)
+    assert any("rotary_center" in t.name for chains in pipe.layer_chains.values() for t in chains[0].transforms)
+    assert module.reallocate(plain, 2.5, one, also=plain)[1]["layers"] == alone[0]["layers"]
+    bent = tmp_path / "bent"
+    shutil.copytree(plain, bent)
+    report = json.loads((bent / "tune.json").read_text())
+    report["sensitivity"][3]["v"]["uniform2"] *= 1.2
+    (bent / "tune.json").write_text(json.dumps(report))
+    with pytest.raises(ValueError, match="layer 3's uniform2 costs .* measured on other windows"):
+        module.reallocate(plain, 2.5, one, also=bent)
+    with pytest.raises(ValueError, match="other calibration windows"):
+        module.reallocate(plain, 2.5, one, also=tuned / "frontier-2bit@2.5_wiki_per_head_far")

@@ -64,7 +64,7 @@ class Method:
 
     def reads_layer_input(self, model) -> bool:
         """The row's cache stores a function of each layer's input X (XQuant), which captures must record."""
-        return self.pipeline is not None and "x" in self.pipeline.for_model(model).requires
+        return self.pipeline is not None and "x" in self.pipeline.for_model(model).layers_require
 
     @property
     def kind(self) -> str:

@@ -101,7 +101,7 @@ def new_cache(
     config = model.config.get_text_config(decoder=True)
     if state is None or pipe is not state.pipeline:
         pipe.check_fitted(config.num_hidden_layers, arch.fingerprint(model))
-    rope = arch.rope_fns(model) if {"cos", "sin"} & pipe.requires else None
+    rope = arch.rope_fns(model) if {"cos", "sin"} & pipe.layers_require else None
 
     kernel = "auto" if state is None else state.prefill_kernel
     devices = [getattr(next(m.parameters(), None), "device", None) for m in arch.attention_modules(model)]

@@ -156,8 +156,14 @@ class KVPipeline:
 
     @property
     def requires(self) -> frozenset[str]:
-        """Model-side inputs the transforms read (see `Transform.requires`)."""
+        """Model-side inputs this pipeline's own chains read (see `Transform.requires`)."""
         return self.keys.requires | self.values.requires
+
+    @property
+    def layers_require(self) -> frozenset[str]:
+        """Model-side inputs the chains of any layer read (`requires`, and those of the layers with chains of their
+        own): what a model patched with this pipeline gives the layers that read them."""
+        return self.requires.union(*(chain.requires for pair in self.layer_chains.values() for chain in pair))
 
     def prepare(
         self,

@@ -31,6 +31,17 @@ def parse_preset(text: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
+def spelling(pipe) -> str:
+    """How to build `pipe` again by name: its preset's name with the options that differ from the preset's defaults
+    after colons (`parse_preset` reads it back, e.g. "frontier-2bit:rotary_center=True"); a pipeline built from
+    no preset: its name."""
+    if pipe.name not in registry.preset_names():
+        return pipe.name
+    defaults = registry.preset(pipe.name).options()
+    changed = [f"{key}={value!r}" for key, value in pipe.options.items() if key in defaults and defaults[key] != value]
+    return ":".join([pipe.name, *changed])
+
+
 def from_preset(name: str, *, compile: bool | str = "auto", **overrides: Any):
     """The preset `name` (see `torchkv.presets()`), with overrides of its options after colons in `name`
     (`parse_preset`: "kivi-2bit:residual=32") and as keywords.

@@ -17,6 +17,7 @@ from torchkv._compat import config_head_dim
 from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.memory import peak_rss, reset_peak
 from torchkv.pipeline import HeadGroups, KVPipeline
+from torchkv.pipeline.presets import spelling
 from torchkv.fitting.tuning.allocate import allocate
 from torchkv.fitting.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, layer_candidates, tuned_chunk
 from torchkv.fitting.tuning.sensitivity import Sensitivity, measure
@@ -176,7 +177,7 @@ def tuned_for_model(sensitivity: Sensitivity, model, budget: float, per_head: bo
     tuned, report = tuned_pipeline(sensitivity, budget, per_head)
     tuned.tuned_for = fingerprint(model)
     report.update(
-        preset=sensitivity.pipeline.name, tokens=sensitivity.tokens, seq_len=sensitivity.seq_len,
+        preset=spelling(sensitivity.pipeline), tokens=sensitivity.tokens, seq_len=sensitivity.seq_len,
         measure_seconds=sensitivity.seconds,
         sensitivity=[{side: dict(zip((c.label for c in sensitivity.candidates[i][side]), costs))
                       for side, costs in layer.items()} for i, layer in enumerate(sensitivity.costs)],
