@@ -15,8 +15,8 @@ has no offset that the prompt's median could remove. Choosing key codes under th
 (`query_metric`) is off too: at 2K / 8K in prompt mode it gains 1.4 / 0.7 points on wiki and loses 0.9 / 3.0 on
 code (`benchmarks/results/domains/ablations/`). Centring keys by the prompt's pre-RoPE medians turned to each
 position (`rotary_center`, `predict.rotary_center`) is off: at 2K in prompt mode it gains 1.2-1.6 points on
-every domain at uniform widths, but tuned per head it loses on code (+2.06% at 8K at 2.5 bits) and in 5 of 6 cells
-at 2.1 bits: by the tuner's measured costs it helps the keys of 18 of SmolLM2's 30 layers and hurts 9. No GPU
+every domain at uniform widths, but tuned per head it loses on code (+2.06% at 8K at 2.5 bits): by the tuner's
+measured costs it helps the keys of 18 of SmolLM2's 30 layers and hurts 9. No GPU
 kernel takes it. The measurements behind each choice are in `benchmarks/results/frontier/` and
 `benchmarks/results/domains/ablations/`.
 """
