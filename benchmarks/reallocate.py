@@ -55,14 +55,14 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
                              + ", ".join(f"{key} {other.get(key)!r} against {report.get(key)!r}" for key in same)
                              + "): tune both on the same model, domain, --tokens and --seq-len")
         sources.append((other, f"{other['preset']}/"))
+    pipes = [method(source["preset"]).pipeline.for_model(model) for source, _ in sources]
     config = model.config.get_text_config(decoder=True)
     kept, costs, head_costs = [], [], []
     for layer in range(len(report["sensitivity"])):
         sides, layer_costs, layer_head_costs = {"k": [], "v": []}, {"k": [], "v": []}, {"k": [], "v": []}
         seen: dict[str, float] = {}  # each candidate chain's measured cost, by spec
-        for source, prefix in sources:
-            pipe = method(source["preset"]).pipeline.for_model(model).for_layer(layer)
-            options = candidates(pipe, config.num_key_value_heads, config_head_dim(config))
+        for (source, prefix), pipe in zip(sources, pipes):
+            options = candidates(pipe.for_layer(layer), config.num_key_value_heads, config_head_dim(config))
             measured = source["sensitivity"][layer]
             for side in ("k", "v"):
                 weight = key_weight if side == "k" else 1.0
@@ -83,10 +83,10 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
                         layer_head_costs[side].append(torch.tensor(heads) * weight)
         kept.append(sides)
         costs.append(layer_costs)
-        head_costs.extend([layer_head_costs] if per_head else [])
+        if per_head:
+            head_costs.append(layer_head_costs)
     check_budget(budget, *bits_range(kept))
-    pipe = method(report["preset"]).pipeline.for_model(model)
-    sensitivity = Sensitivity(pipe, kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"],
+    sensitivity = Sensitivity(pipes[0], kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"],
                               head_costs)
     tuned, out = tuned_for_model(sensitivity, model, budget, per_head)
     tuned.tuned_on = report["domain"]

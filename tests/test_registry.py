@@ -111,9 +111,9 @@ def test_a_preset_with_overrides_is_spelled_so_that_it_builds_again(data):
     from torchkv.pipeline.presets import spelling
 
     name = data.draw(st.sampled_from(registry.preset_names()))
-    flags = sorted(k for k, v in registry.preset(name).options().items() if isinstance(v, bool))
-    flipped = data.draw(st.lists(st.sampled_from(flags), unique=True)) if flags else []
     defaults = registry.preset(name).options()
+    flags = sorted(k for k, v in defaults.items() if isinstance(v, bool))
+    flipped = data.draw(st.lists(st.sampled_from(flags), unique=True)) if flags else []
     try:
         pipe = torchkv.KVPipeline.from_preset(name, **{k: not defaults[k] for k in flipped})
     except ValueError:  # options that exclude each other
