@@ -60,7 +60,7 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
     kept, costs, head_costs = [], [], []
     for layer in range(len(report["sensitivity"])):
         sides, layer_costs, layer_head_costs = {"k": [], "v": []}, {"k": [], "v": []}, {"k": [], "v": []}
-        seen: dict[str, float] = {}  # each candidate chain's measured cost, by spec
+        seen: dict[tuple[str, str], float] = {}  # each candidate chain's measured cost, by side and spec
         for (source, prefix), pipe in zip(sources, pipes):
             options = candidates(pipe.for_layer(layer), config.num_key_value_heads, config_head_dim(config))
             measured = source["sensitivity"][layer]
@@ -69,13 +69,13 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
                 for c in options[side]:
                     if c.width < min_bits[side] or c.label not in measured[side]:
                         continue
-                    spec, cost = chain_spec(Chain(list(c.transforms))), measured[side][c.label]
-                    if spec in seen:  # measured by both: the same windows give the same cost, to float noise
-                        if not math.isclose(cost, seen[spec], rel_tol=SAME_COST, abs_tol=SAME_COST * 1e-3):
+                    item, cost = (side, chain_spec(Chain(list(c.transforms)))), measured[side][c.label]
+                    if item in seen:  # measured by both: the same windows give the same cost, to float noise
+                        if not math.isclose(cost, seen[item], rel_tol=SAME_COST, abs_tol=SAME_COST * 1e-3):
                             raise ValueError(f"layer {layer}'s {c.label} costs {cost:.6g} in {also} and "
-                                             f"{seen[spec]:.6g} in {src}: they were measured on other windows")
+                                             f"{seen[item]:.6g} in {src}: they were measured on other windows")
                         continue
-                    seen[spec] = cost
+                    seen[item] = cost
                     sides[side].append(dataclasses.replace(c, label=prefix + c.label))
                     layer_costs[side].append(cost * weight)
                     if per_head:
