@@ -33,7 +33,8 @@ import torchkv
 from torchkv.eval.rows import BASELINES, COMPILED, STATIC_BASELINE, method
 from torchkv.eval.runner import machine
 from torchkv.eval.speed import generation_profile, sync
-from torchkv.testing import rope_tables
+from torchkv.positions import SharedRope
+from torchkv.testing import llama_rope, rope_tables
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, reps: int = 10) -> float:
@@ -99,8 +100,17 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
     encoded = {n: t.unflatten(2, (chunks, t.shape[2] // chunks)) for n, t in state.items()}
     k_fp, v_fp = randn(batch, heads, context - n_enc, dim), randn(batch, heads, context - n_enc, dim)
     q = randn(batch, heads * groups, 1, dim)
-    fused_s = _timed(lambda: pipe.attend_decode(q, encoded, k_fp, v_fp, None, dim**-0.5, prepared=prepared,
-                                                inputs=rope), 20, device)
+    def attend(inputs):
+        return _timed(lambda: pipe.attend_decode(q, encoded, k_fp, v_fp, None, dim**-0.5, prepared=prepared,
+                                                 inputs=inputs), 20, device)
+
+    by_token = {}
+    if pipe.codec.attention_rope == "chunks":  # what a store passes (a turned centre's tables by chunk), and the
+        # every-token tables it falls back to where positions do not run on
+        shared = SharedRope(lambda positions: tuple(t.to(dtype) for t in llama_rope(positions, dim)))
+        by_token = {"token_tables_ms": 1e3 * attend(rope)}
+        rope = shared.chunk_tables(torch.arange(n_enc, device=device)[None].expand(batch, -1), 0, n_enc, pipe.chunk)
+    fused_s = attend(rope)
     full_k, full_v = torch.cat([k, k_fp[:, :, :-1]], 2), torch.cat([v, v_fp[:, :, :-1]], 2)
 
     def dynamic_step():
@@ -114,7 +124,7 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
         "dynamic_ms": 1e3 * sdpa_s, "speedup": sdpa_s / fused_s, "compressed_bytes": compressed,
         "fp32_bytes": 2 * full_k.numel() * 4, "full_precision_bytes": 2 * full_k.numel() * full_k.element_size(),
         "achieved_bytes_per_s": compressed / fused_s, "dtype": str(dtype).removeprefix("torch."),
-        "kernel": pipe.kernel_refusal(dim) is None and device.type == "cuda",
+        "kernel": pipe.kernel_refusal(dim) is None and device.type == "cuda", **by_token,
     }
 
 

@@ -73,3 +73,51 @@ def test_a_plain_function_is_shared_by_no_other_store():
     rope = _counted_rope([])
     a, b = TrackedPositions(rope), TrackedPositions(rope)
     assert a.shared is not b.shared
+
+
+@given(
+    chunk=st.sampled_from([1, 4, 8]),
+    chunks=st.integers(1, 4),
+    sinks=st.integers(0, 3),
+    pads=st.lists(st.integers(0, 12), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_chunk_tables_turn_the_valid_tokens_as_their_own_tables(chunk, chunks, sinks, pads, seed):
+    """Left-padded rows (pads at position 1, then 0, 1, 2, ... as transformers numbers them) run by chunk, and the
+    chunk tables give each valid token the score its own cos/sin give."""
+    from torchkv.ops import turned_dot, turned_dot_by_chunk
+
+    batch, length = len(pads), sinks + chunks * chunk
+    pads = [min(p, length) for p in pads]
+    ids = torch.stack([torch.cat([torch.ones(p, dtype=torch.long), torch.arange(length - p)]) for p in pads])
+    valid = ids.new_tensor([[t >= p for t in range(length)] for p in pads], dtype=torch.bool)
+    calls = []
+    shared = SharedRope(_counted_rope(calls))
+    layers = [TrackedPositions(shared) for _ in range(2)]
+    for tracked in layers:
+        tracked.extend(ids, batch, length, torch.device("cpu"))
+        tracked.check_chunks(sinks, length, chunk, valid[:, sinks:])
+    assert all(tracked.by_chunk for tracked in layers)
+    g = torch.Generator().manual_seed(seed)
+    q, x = torch.randn(batch, 2, 3, 4, generator=g), torch.randn(batch, 2, 1, 4, generator=g)
+    tables = layers[0].chunk_inputs(sinks, length, chunk)
+    assert tables["anchor_cos"].shape == (batch, chunks, 4) and tables["step_cos"].shape == (1, chunk, 4)
+    got = turned_dot_by_chunk(q, x, *(tables[n] for n in ("anchor_cos", "anchor_sin", "step_cos", "step_sin")))
+    own = layers[0].rope_inputs(sinks, length)
+    expected = turned_dot(q, x, own["cos"], own["sin"])
+    keep = valid[:, None, None, sinks:].expand_as(expected)
+    torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5)
+
+
+def test_positions_that_skip_or_end_in_padding_do_not_run_by_chunk():
+    """A gap in the positions, or a chunk whose last token is padding (right padding), is found: the tokens'
+    own tables are then read."""
+    shared = SharedRope(_counted_rope([]))
+    for ids, valid in (
+        (torch.tensor([[0, 1, 2, 3, 4, 6, 7, 8]]), torch.ones(1, 8, dtype=torch.bool)),
+        (torch.tensor([[0, 1, 2, 1, 3, 4, 5, 6]]), torch.tensor([[True, True, True, False] + [True] * 4])),
+    ):
+        tracked = TrackedPositions(shared)
+        tracked.extend(ids, 1, 8, torch.device("cpu"))
+        tracked.check_chunks(0, 8, 4, valid)
+        assert not tracked.by_chunk

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from torchkv.pipeline import KVPipeline
 from torchkv.store import KVStore
+from torchkv.testing import llama_rope
 
 
 def _stream(store, k, v, sizes, valid=None):
@@ -115,3 +116,46 @@ def test_pre_rope_store_requires_a_rope_function():
     pipe = KVPipeline([T.rotate("pre_rope"), T.quantize("cast")], [T.quantize("cast")], residual=0)
     with pytest.raises(ValueError, match="needs the model's rope function"):
         KVStore(pipe)
+
+
+def _llama_rope(positions: torch.Tensor):
+    """Llama-style rotary tables `[B, T, 16]` of `positions: [B, T]` (head dim 16), scaled as YaRN scales them."""
+    return tuple(1.1 * t for t in llama_rope(positions, 16))
+
+
+@pytest.mark.parametrize("pads", [(0, 0), (0, 5), (3, 12)])
+def test_turned_centre_attention_by_chunk_equals_every_tokens_tables(pads, monkeypatch):
+    """Decode steps over a left-padded prompt (pads at position 1, as transformers numbers them) and across window
+    flushes: attention with a turned centre's offsets from the chunks' tables gives the output the tokens' own
+    tables give; positions with a gap fall back to the tokens' tables."""
+    from torchkv.positions import TrackedPositions
+
+    g = torch.Generator().manual_seed(0)
+    batch, prompt, steps = len(pads), 29, 11
+    pipe = KVPipeline.from_preset("frontier-2bit", rotary_center=True, residual=4, chunk=4, compile=False)
+    valid = torch.tensor([[t >= p for t in range(prompt)] for p in pads])
+    positions = (valid.cumsum(1) - 1).masked_fill(~valid, 1)
+    k = torch.randn(batch, 2, prompt + steps, 16, generator=g) + 3 * torch.randn(16, generator=g)
+    v = torch.randn(batch, 2, prompt + steps, 16, generator=g)
+    queries = torch.randn(steps, batch, 4, 1, 16, generator=g)
+    prompt_queries = {"queries": torch.randn(batch, 4, prompt, 16, generator=g)}
+    outs = {}
+    for by_chunk in (True, False):
+        if not by_chunk:
+            monkeypatch.setattr(TrackedPositions, "check_chunks", lambda self, *a: setattr(self, "by_chunk", False))
+        store = KVStore(pipe, rope=_llama_rope)
+        store.append(k[:, :, :prompt], v[:, :, :prompt], valid=valid, positions=positions, inputs=prompt_queries)
+        mask = torch.cat([valid, torch.ones(batch, steps, dtype=torch.bool)], 1)[:, None, None]
+        step_outs = []
+        for i in range(steps):
+            at = prompt + i
+            reads = store.attention_inputs()
+            assert store.n_encoded and ("anchor_cos" in reads) == by_chunk
+            step_outs.append(store.decode_step(
+                queries[i], k[:, :, at : at + 1], v[:, :, at : at + 1], mask[..., : at + 1], 0.25,
+                positions=positions[:, -1:] + i + 1))
+        outs[by_chunk] = torch.stack(step_outs)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    gap = KVStore(pipe, rope=_llama_rope)
+    gap.append(k[:, :, :prompt], v[:, :, :prompt], positions=torch.arange(prompt)[None] * 2, inputs=prompt_queries)
+    assert not gap.positions.by_chunk and "cos" in gap.attention_inputs()

@@ -18,7 +18,9 @@ class SharedRope:
     - `extended`: the position ids after a step's tokens, one tensor for every layer that held the same ids before and
       is given the same new positions (the model passes one `position_ids` tensor to every layer);
     - `tables`: the cos/sin of a range of those ids, the last `KEPT` ranges kept until `release` (the cache releases
-      them after its last layer, so that an idle cache holds none).
+      them after its last layer, so that an idle cache holds none);
+    - `chunk_tables`: the same of a range's chunks, by each chunk's first position (`ops.rope.turned_dot_by_chunk`);
+    - `runs_by_chunk`: whether a range's tokens sit where those tables put them, checked once for every layer.
 
     Both match by identity only (which ids tensor, which positions tensor), never by value: nothing is read back from
     the device, and a layer whose ids differ (a beam reorder, a crop) computes its own, as it would alone.
@@ -34,7 +36,9 @@ class SharedRope:
     def __init__(self, rope: RopeFn):
         self.rope = rope
         self._extended: tuple | None = None  # (ids before, positions given, (batch, tokens, device), ids after)
-        self._tables: list[tuple] = []  # (ids, (start, end), (cos, sin)), the newest last
+        self._tables: list[tuple] = []  # (ids, (start, end) or (start, end, chunk), tables), the newest last
+        self._steps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, device) -> step tables
+        self._checked: tuple | None = None  # (ids, (start, end, chunk), whether they run by chunk)
 
     def extended(self, ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, tokens: int,
                  device: torch.device) -> torch.Tensor:
@@ -51,12 +55,44 @@ class SharedRope:
 
     def tables(self, ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) `[B, end - start, R]` of `ids[:, start:end]`."""
-        for held, span, cos_sin in self._tables:
-            if held is ids and span == (start, end):
-                return cos_sin
-        cos_sin = self.rope(ids[:, start:end])
-        self._tables = [*self._tables, (ids, (start, end), cos_sin)][-self.KEPT :]
-        return cos_sin
+        return self._kept(ids, (start, end), lambda: self.rope(ids[:, start:end]))
+
+    def chunk_tables(self, ids: torch.Tensor, start: int, end: int, chunk: int) -> dict[str, torch.Tensor]:
+        """The rotary tables of `ids[:, start:end]` (whole chunks of `chunk` tokens) by chunk: "anchor_cos"/"anchor_sin"
+        `[B, NC, R]` of each chunk's first position, taken as its last token's position less `chunk − 1` (left
+        padding comes first), and "step_cos"/"step_sin" `[1, chunk, R]` of positions 0..chunk−1 over the table's
+        value at 0 (the attention scaling, which the anchors carry). Exact where `runs_by_chunk`."""
+        def anchored():
+            return self.rope(ids[:, start + chunk - 1 : end : chunk] - (chunk - 1))
+
+        anchor_cos, anchor_sin = self._kept(ids, (start, end, chunk), anchored)
+        key = (chunk, ids.device)
+        if key not in self._steps:
+            cos, sin = self.rope(torch.arange(chunk, device=ids.device)[None])
+            scale = cos[:, :1].float()
+            self._steps[key] = (cos.float() / scale, sin.float() / scale)
+        step_cos, step_sin = self._steps[key]
+        return {"anchor_cos": anchor_cos, "anchor_sin": anchor_sin, "step_cos": step_cos, "step_sin": step_sin}
+
+    def runs_by_chunk(self, ids: torch.Tensor, start: int, end: int, chunk: int, valid: torch.Tensor) -> bool:
+        """Whether every valid token of `ids[:, start:end]` (whole chunks; `valid: [B, end − start]`) is at its
+        chunk's anchor (`chunk_tables`) plus its place in the chunk. Reads one flag back from the device, once for
+        the layers that hold the same ids."""
+        if self._checked is not None and self._checked[0] is ids and self._checked[1] == (start, end, chunk):
+            return self._checked[2]
+        held = ids[:, start:end].unflatten(1, (-1, chunk))  # [B, NC, C]
+        placed = held[..., -1:] - (chunk - 1) + torch.arange(chunk, device=ids.device)
+        runs = bool(((held == placed) | ~valid.unflatten(1, (-1, chunk))).all())
+        self._checked = (ids, (start, end, chunk), runs)
+        return runs
+
+    def _kept(self, ids: torch.Tensor, span: tuple, compute: Callable[[], tuple]) -> tuple:
+        for held, kept_span, tables in self._tables:
+            if held is ids and kept_span == span:
+                return tables
+        tables = compute()
+        self._tables = [*self._tables, (ids, span, tables)][-self.KEPT :]
+        return tables
 
     @property
     def tables_held(self) -> int:
@@ -64,7 +100,7 @@ class SharedRope:
 
     def release(self) -> None:
         """Forget the tables (and the last ids, whose memory a store may since have dropped)."""
-        self._extended, self._tables = None, []
+        self._extended, self._tables, self._checked = None, [], None
 
 
 class TrackedPositions:
@@ -79,6 +115,8 @@ class TrackedPositions:
     def __init__(self, rope: RopeFn | SharedRope):
         self.shared = rope if isinstance(rope, SharedRope) else SharedRope(rope)
         self.ids: torch.Tensor | None = None
+        #: every encoded chunk checked so far runs on from its anchor (`SharedRope.runs_by_chunk`)
+        self.by_chunk = True
 
     def extend(self, positions: torch.Tensor | None, batch: int, tokens: int, device: torch.device) -> None:
         """Keep `tokens` new tokens' position ids `[B or 1, T]` (default: their index in the sequence)."""
@@ -88,6 +126,14 @@ class TrackedPositions:
         """`{"cos", "sin"}` of the tokens held at indices [start, end)."""
         cos, sin = self.shared.tables(self.ids, start, end)
         return {"cos": cos, "sin": sin}
+
+    def check_chunks(self, start: int, end: int, chunk: int, valid: torch.Tensor) -> None:
+        """Note whether the tokens at [start, end), about to be encoded in chunks, run on from their anchors."""
+        self.by_chunk = self.by_chunk and self.shared.runs_by_chunk(self.ids, start, end, chunk, valid)
+
+    def chunk_inputs(self, start: int, end: int, chunk: int) -> dict[str, torch.Tensor]:
+        """`SharedRope.chunk_tables` of the tokens held at [start, end) (requires `by_chunk`)."""
+        return self.shared.chunk_tables(self.ids, start, end, chunk)
 
     def rope_at(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
         """`{"cos", "sin"}` of the tokens held at `index: [B, N]`."""

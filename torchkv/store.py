@@ -212,6 +212,8 @@ class KVStore:
         pipe, t = self.pipeline, k.shape[2]
         start = self.n_sinks + self.n_encoded
         inputs = self._rope_inputs(start, start + t)
+        if self.positions is not None and pipe.codec.attention_rope == "chunks":
+            self.positions.check_chunks(start, start + t, pipe.chunk, valid)
         if x is not None:
             inputs["x"] = x
         if pipe.carries and self.layer:
@@ -277,7 +279,7 @@ class KVStore:
             k_fp, v_fp = k_fp.contiguous(), v_fp.contiguous()
         out, fp_attention, carry = self.pipeline.attend_decode(
             query, self.chunks.by_chunk(), k_fp, v_fp, self.attention_order(mask), scale, softcap,
-            prepared=self.prepared, params=self.params, inputs=self.history_inputs(),
+            prepared=self.prepared, params=self.params, inputs=self.attention_inputs(),
         )
         self.hand_over(carry)
         if self._enters_window(1):
@@ -295,6 +297,14 @@ class KVStore:
         if self.pipeline.carries and self.layer:
             inputs.update(self.cross_layer.take("history", self.layer, self.n_encoded))
         return inputs
+
+    def attention_inputs(self) -> dict[str, torch.Tensor]:
+        """What decode attention over the encoded tokens reads besides their state: `history_inputs`, or the chunk
+        tables of their positions (`TrackedPositions.chunk_inputs`) where the pipeline's attention reads positions
+        only through them and every encoded chunk's positions run on (`SharedRope.runs_by_chunk`)."""
+        if self.positions is not None and self.positions.by_chunk and self.pipeline.codec.attention_rope == "chunks":
+            return self.positions.chunk_inputs(self.n_sinks, self.n_sinks + self.n_encoded, self.pipeline.chunk)
+        return self.history_inputs()
 
     def hand_over(self, carry: Mapping[str, torch.Tensor]) -> None:
         """Give the next layer this layer's reconstruction of the encoded tokens (cross-layer pipelines)."""

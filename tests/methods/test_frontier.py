@@ -121,6 +121,10 @@ def test_rotary_centring_is_one_of_two_centres_scored_from_codes_by_the_inductor
     assert pipe.keys.scores_stored and pipe.values.sums_stored
     if torchkv.pipeline.codec.triton_decode.triton is not None:
         assert "adds a score offset per token" in pipe.kernel_refusal(64)
+    # decode attention reads positions only through the offsets, so by chunk; pre-RoPE keys are rebuilt per token
+    assert pipe.codec.attention_rope == "chunks"
+    assert KVPipeline.from_preset("frontier-2bit").codec.attention_rope is None
+    assert KVPipeline.from_preset("squat-pre-2bit").codec.attention_rope == "tokens"
 
 
 @given(chunks=st.integers(1, 3), seed=st.integers(0, 1000), rotary=st.sampled_from([16, 32]))

@@ -57,10 +57,12 @@ def _hadamard_mixed(compile: bool) -> torchkv.KVPipeline:
 
 def _per_head_widths(compile: bool) -> torchkv.KVPipeline:
     """SmolLM2's 3 KV heads in groups of their own widths (`torchkv tune --per-head`): 3-bit keys (2-D grid) on
-    heads 0 and 2, 4-bit values on head 0, frontier-2bit's chains on the others."""
+    heads 0 and 2, 4-bit values on head 0, frontier-2bit's chains on the others, head 1's keys centred by a turned
+    centre (the 2.1-bit recipe's mix)."""
     base = torchkv.KVPipeline.from_preset("frontier-2bit")
+    centred = torchkv.KVPipeline.from_preset("frontier-2bit", rotary_center=True)
     wide = torchkv.KVPipeline.from_preset("frontier-2bit", key_bits=3, dim=2, bits=4)
-    return torchkv.KVPipeline(HeadGroups([([1], base.keys), ([0, 2], wide.keys)]),
+    return torchkv.KVPipeline(HeadGroups([([1], centred.keys), ([0, 2], wide.keys)]),
                               HeadGroups([([0], wide.values), ([1, 2], base.values)]),
                               residual=base.residual, sinks=base.sinks, chunk=base.chunk, compile=compile)
 
@@ -82,7 +84,7 @@ COMPILED_DECODE = {
     # chosen under the prompt queries' metric (chunks flushed in the compiled step encode with it)
     "frontier-2.5bit-3bit-keys-query-metric": (_preset("frontier-2.5bit", key_bits=3, query_metric=True), True),
     "per-head-widths": (_per_head_widths, True),
-    # keys centred by a per-token turned offset, added to the codes' scores from the held tokens' cos/sin
+    # keys centred by a per-token turned offset, added to the codes' scores from the chunks' cos/sin
     "frontier-2bit-rotary-center": (_preset("frontier-2bit", rotary_center=True), True),
     "xquant-2bit": (_preset("xquant-2bit"), False),
     "xquant-cl-2bit": (_preset("xquant-cl-2bit"), False),
@@ -121,6 +123,10 @@ def test_compiled_decode_matches_eager_and_never_rebuilds_the_history(smollm2, c
             if stores[0].positions is not None:  # the layers hold one ids tensor; no step's cos/sin outlives it
                 assert all(s.positions.ids is stores[0].positions.ids for s in stores)
                 assert stores[0].positions.shared.tables_held == 0
+                if stores[0].pipeline.codec.attention_rope == "chunks":  # a turned centre's offsets: by chunk
+                    assert all(s.positions.by_chunk for s in stores)
+                    inputs = stores[0].attention_inputs()
+                    assert "anchor_cos" in inputs and "cos" not in inputs
             flushed = cache.layers[0].store.n_encoded > encoded
             assert flushed != isinstance(p.window, PromptOnly), f"flushed: {flushed}, window: {p.window}"
     torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=2e-3)

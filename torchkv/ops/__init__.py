@@ -13,7 +13,7 @@ from torchkv.ops.higgs import (
 from torchkv.ops.linalg import masked_pca, ridge, ridge_from_moments, ridge_streamed, weight_factors
 from torchkv.ops.pack import PACK_BITS, PLANAR_BITS, pack_bits, packed_size, unpack_bits, unpack_planes
 from torchkv.ops.quantize import GAUSSIAN_STEP, STEPS, SUPPORTED_BITS, dequantize, quantize
-from torchkv.ops.rope import apply_rope, turned_dot
+from torchkv.ops.rope import apply_rope, turned_dot, turned_dot_by_chunk
 
 __all__ = [
     "GAUSSIAN_STEP",
@@ -24,6 +24,7 @@ __all__ = [
     "SUPPORTED_BITS",
     "apply_rope",
     "turned_dot",
+    "turned_dot_by_chunk",
     "dequantize",
     "hadamard",
     "hadamard_block",

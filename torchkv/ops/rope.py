@@ -39,3 +39,29 @@ def turned_dot(q: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     out = torch.einsum("bhgj,btj->bhgt", q1 * x1 + q2 * x2, cos[..., :h].float())
     out = out + torch.einsum("bhgj,btj->bhgt", q2 * x1 - q1 * x2, sin[..., :h].float())
     return out + (q[..., 2 * h :] * x[..., 2 * h :]).sum(-1, keepdim=True)
+
+
+def turned_dot_by_chunk(q: torch.Tensor, x: torch.Tensor, anchor_cos: torch.Tensor, anchor_sin: torch.Tensor,
+                        step_cos: torch.Tensor, step_sin: torch.Tensor) -> torch.Tensor:
+    """`turned_dot` of tokens in chunks whose positions run on from each chunk's first, `a + j`, reading the tables
+    at the NC anchors `a` and at the C steps `j` instead of at every token. With `α_i = q_i·x_i + q_{i+R/2}·x_{i+R/2}`
+    and `β_i = q_{i+R/2}·x_i − q_i·x_{i+R/2}` (`turned_dot`), angle addition gives
+    `q·R_{a+j}·x = Σ_i cos θ_i j·(α_i cos θ_i a + β_i sin θ_i a) + sin θ_i j·(β_i cos θ_i a − α_i sin θ_i a)`.
+
+    Args:
+        q: [B, H, g, D] float. x: [B, H, 1, D] float.
+        anchor_cos, anchor_sin: [B, NC, R], the tables at each chunk's first position (the model's scaling included).
+        step_cos, step_sin: [1, C, R], the tables at 0..C−1 over the table at 0 (unscaled), halves equal.
+
+    Returns:
+        [B, H, g, NC·C] float32, `turned_dot` over the NC·C tokens in order.
+    """
+    h = anchor_cos.shape[-1] // 2
+    q, x = q.float(), x.float()
+    q1, q2, x1, x2 = q[..., :h], q[..., h : 2 * h], x[..., :h], x[..., h : 2 * h]
+    alpha, beta = (q1 * x1 + q2 * x2)[..., None, :], (q2 * x1 - q1 * x2)[..., None, :]  # [B, H, g, 1, R/2]
+    ca, sa = anchor_cos[:, None, None, :, :h].float(), anchor_sin[:, None, None, :, :h].float()  # [B, 1, 1, NC, R/2]
+    by_cos, by_sin = alpha * ca + beta * sa, beta * ca - alpha * sa  # [B, H, g, NC, R/2]
+    out = torch.einsum("bhgci,ti->bhgct", by_cos, step_cos[0, :, :h].float())
+    out = out + torch.einsum("bhgci,ti->bhgct", by_sin, step_sin[0, :, :h].float())
+    return out.flatten(-2) + (q[..., 2 * h :] * x[..., 2 * h :]).sum(-1, keepdim=True)

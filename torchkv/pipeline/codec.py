@@ -219,6 +219,21 @@ class Codec:
                           "runs Inductor's reductions over the stored form, which are slower", stacklevel=3)
         self._kernel_warned = True
 
+    @property
+    def attention_rope(self) -> str | None:
+        """What decode attention over the stored form reads of the encoded tokens' positions: None (nothing),
+        "chunks" (only per-token score offsets, which take each chunk's tables: `SharedRope.chunk_tables`) or
+        "tokens" (every token's cos/sin: keys rebuilt at their positions)."""
+        readers = [(side, i) for side, chain in (("k", self.keys), ("v", self.values))
+                   for i, t in enumerate(chain.transforms) if {"cos", "sin"} & t.requires]
+        if not readers:
+            return None
+        scored = self.keys.scores_stored and not self.carries and self.keys.reader > 0
+        if scored and all(side == "k" and i < self.keys.reader and self.keys.transforms[i].offset_per_token
+                          for side, i in readers):
+            return "chunks"
+        return "tokens"
+
     def kernel_refusal(self, head_dim: int = 128) -> str | None:
         """Why decode attention on a GPU runs no Triton kernel for heads of `head_dim`, and runs the Inductor path
         instead; None when it runs one (`kernel`)."""

@@ -106,6 +106,12 @@ class GroupedCodec(Codec):
             fp_attention = fp_attention + fp * (len(self.heads[i]) / self.num_heads)
         return self._merge(outs, per), fp_attention, {}
 
+    @property
+    def attention_rope(self) -> str | None:
+        """`Codec.attention_rope` of the layer: "tokens" where some group reads every token's position."""
+        reads = {c.attention_rope for c in self.groups} - {None}
+        return "tokens" if "tokens" in reads else "chunks" if reads else None
+
     def kernel(self, head_dim: int = 128) -> tuple[str | None, str | None]:
         """Each group's `Codec.kernel`: ("grid", None) when every group runs the grid kernel (names joined by "+"
         when groups run different ones), or (None, why some group runs none)."""

@@ -81,6 +81,11 @@ def capture_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
 
 def rope_tables(batch: int, tokens: int, dim: int) -> dict[str, torch.Tensor]:
     """Llama-style rotary tables for positions 0..tokens-1: {"cos", "sin"} each `[batch, tokens, dim]`."""
-    angle = torch.arange(tokens)[:, None] * 10000 ** (-torch.arange(0, dim, 2) / dim)
-    cos, sin = angle.cos().repeat(1, 2)[None], angle.sin().repeat(1, 2)[None]
+    cos, sin = llama_rope(torch.arange(tokens)[None], dim)
     return {"cos": cos.expand(batch, tokens, dim), "sin": sin.expand(batch, tokens, dim)}
+
+
+def llama_rope(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-style rotary tables (cos, sin) `[B, T, dim]` of `positions: [B, T]` (a `positions.RopeFn`)."""
+    angle = positions[..., None] * 10000 ** (-torch.arange(0, dim, 2, device=positions.device) / dim)
+    return angle.cos().repeat(1, 1, 2), angle.sin().repeat(1, 1, 2)

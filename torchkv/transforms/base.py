@@ -157,7 +157,8 @@ class Transform:
     #: (rotations, projections, centring).
     linear: ClassVar[bool] = False
     #: `score_offset` is per token, `[B, H, g, T]` (it reads each token's position), which the GPU kernels do
-    #: not take
+    #: not take; it reads either the tokens' "cos"/"sin" or, in decode attention over whole chunks whose positions
+    #: run on, the chunk tables of `SharedRope.chunk_tables`
     offset_per_token: ClassVar[bool] = False
     #: `scores`/`weighted_sum` read planar-packed codes (the chain must end with a planar pack after it)
     reads_packed: ClassVar[bool] = False

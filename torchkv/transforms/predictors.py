@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchkv.ops import apply_rope, turned_dot, weight_factors
+from torchkv.ops import apply_rope, turned_dot, turned_dot_by_chunk, weight_factors
 from torchkv.registry import register_transform
 from torchkv.transforms.base import Context, ProjectionWeights, Transform, TransformConfig
 from torchkv.transforms.quantizers import META_DTYPES, check_meta_dtype
@@ -184,8 +184,10 @@ class RotaryCenter(Transform):
     prepare: post-RoPE prompt keys `x: [B, H, T, D]` and their "cos"/"sin" -> "center" `[B, H, 1, D]` float32,
     the medians of `R_t⁻¹·x` (pads excluded).
     encode: `x − R_t·μ`; decode: `y + R_t·μ`, with the tokens' "cos"/"sin" `[B, T, R]`. Decode attention scores
-    the residual's stored form and adds `q·R_t·μ` per token (`score_offset`, 2R multiply-adds a token from the
-    tokens' cos/sin); weighted sums of keys are not read.
+    the residual's stored form and adds `q·R_t·μ` per token (`score_offset`, 2R multiply-adds a token), from the
+    tokens' cos/sin or, where positions run on within each chunk, from the tables at the chunks' anchors
+    ("anchor_cos"/"anchor_sin" `[B, NC, R]`, "step_cos"/"step_sin" `[1, C, R]`: `ops.rope.turned_dot_by_chunk`);
+    weighted sums of keys are not read.
     """
 
     needs_prepare = True
@@ -218,5 +220,9 @@ class RotaryCenter(Transform):
         return q
 
     def score_offset(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        center = ctx.prepared["center"]
+        if "anchor_cos" in ctx.inputs:
+            tables = (ctx.inputs[n] for n in ("anchor_cos", "anchor_sin", "step_cos", "step_sin"))
+            return turned_dot_by_chunk(q, center, *tables)  # [B, H, g, T]
         cos, sin = rope_tables(self, ctx)
-        return turned_dot(q, ctx.prepared["center"], cos, sin)  # [B, H, g, T]
+        return turned_dot(q, center, cos, sin)  # [B, H, g, T]
