@@ -22,8 +22,9 @@ class SharedRope:
     - `chunk_tables`: the same of a range's chunks, by each chunk's first position (`ops.rope.turned_dot_by_chunk`);
     - `runs_by_chunk`: whether a range's tokens sit where those tables put them, checked once for every layer.
 
-    Both match by identity only (which ids tensor, which positions tensor), never by value: nothing is read back from
-    the device, and a layer whose ids differ (a beam reorder, a crop) computes its own, as it would alone.
+    They match by identity only (which ids tensor, which positions tensor), never by value: nothing is read back from
+    the device but `runs_by_chunk`'s one flag, and a layer whose ids differ (a beam reorder, a crop) computes its own,
+    as it would alone.
 
     Args:
         rope: the model's rotary embedding.
