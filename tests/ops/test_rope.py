@@ -4,13 +4,12 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from torchkv.ops import apply_rope, turned_dot, turned_dot_by_chunk
+from torchkv.testing import llama_rope
 
 
 def _cos_sin(positions, dim, scale=1.0):
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    freqs = positions[..., None].float() * inv
-    emb = torch.cat([freqs, freqs], -1)
-    return emb.cos() * scale, emb.sin() * scale
+    """Llama tables of `positions: [B, T]`, both multiplied by `scale` (as YaRN's attention factor does)."""
+    return tuple(scale * t for t in llama_rope(positions, dim))
 
 
 def test_matches_transformers_and_inverts():
