@@ -21,8 +21,10 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) -m torchkv eval --quick --presets kivi-4bit,kivi-2bit,frontier-2bit,quanto-4bit --out benchmarks/results/quick/quick.json
 
+# one pytest-xdist worker per core (most of the suite is single-threaded compiling); tests/conftest.py gives each
+# worker its share of torch's threads
 test: setup
-	$(PY) -m pytest -m "not slow" --durations=60 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n auto --durations=60 $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -15,7 +15,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("torchkv")
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# under `pytest -n N` (pytest-xdist, as `make test` runs) the N workers share the cores
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))
 
 
 @pytest.fixture(autouse=True)

@@ -84,8 +84,10 @@ COMPILED_DECODE = {
     # chosen under the prompt queries' metric (chunks flushed in the compiled step encode with it)
     "frontier-2.5bit-3bit-keys-query-metric": (_preset("frontier-2.5bit", key_bits=3, query_metric=True), True),
     "per-head-widths": (_per_head_widths, True),
-    # keys centred by a per-token turned offset, added to the codes' scores from the chunks' cos/sin
-    "frontier-2bit-rotary-center": (_preset("frontier-2bit", rotary_center=True), True),
+    # keys centred by a per-token turned offset, added to the codes' scores from the chunks' cos/sin: head 1 of
+    # "per-head-widths" runs this chain compiled, by chunk, under the same assertions
+    "frontier-2bit-rotary-center": pytest.param((_preset("frontier-2bit", rotary_center=True), True),
+                                                marks=pytest.mark.slow),
     "xquant-2bit": (_preset("xquant-2bit"), False),
     "xquant-cl-2bit": (_preset("xquant-cl-2bit"), False),
     "svdq-1.25bit-v4": (_preset("svdq-1.25bit-v4"), False),
