@@ -50,9 +50,10 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
     if also is not None:
         other = json.loads((also / "tune.json").read_text())
         same = ("model", "domain", "tokens", "seq_len", "per_head")
-        if any(other.get(key) != report.get(key) for key in same):
+        settings = [{key: r.get(key, False if key == "per_head" else None) for key in same} for r in (other, report)]
+        if settings[0] != settings[1]:  # a folder tuned before `--per-head` existed has no "per_head": per layer
             raise ValueError(f"{also} was tuned on other calibration windows than {src} ("
-                             + ", ".join(f"{key} {other.get(key)!r} against {report.get(key)!r}" for key in same)
+                             + ", ".join(f"{key} {settings[0][key]!r} against {settings[1][key]!r}" for key in same)
                              + "): tune both on the same model, domain, --tokens and --seq-len")
         sources.append((other, f"{other['preset']}/"))
     pipes = [method(source["preset"]).pipeline.for_model(model) for source, _ in sources]

@@ -314,7 +314,7 @@ def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_be
     """`benchmarks/reallocate.py --also`: the committed per-head folders tuned with and without `rotary_center` on
     the same windows, merged, predict no more KL at the same budget than either alone (a superset of candidates),
     and centre the keys of some heads only; a folder merged with itself is itself; costs that disagree, or a folder
-    tuned on other windows, are refused."""
+    tuned on other windows, are refused; a folder saved before "per_head" was recorded counts as per layer."""
     import shutil
     from pathlib import Path
 
@@ -345,3 +345,11 @@ def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_be
         module.reallocate(plain, 2.5, one, also=bent)
     with pytest.raises(ValueError, match="other calibration windows"):
         module.reallocate(plain, 2.5, one, also=tuned / "frontier-2bit@2.5_wiki_per_head_far")
+    older = root / "benchmarks/results/domains/tuned/frontier-2bit@2.5_mixed_no_1bit_keys"  # no "per_head" saved
+    today = tmp_path / "today"
+    shutil.copytree(older, today)
+    report = json.loads((today / "tune.json").read_text())
+    assert "per_head" not in report
+    (today / "tune.json").write_text(json.dumps({**report, "per_head": False}))  # what a per-layer tuning writes now
+    merged = module.reallocate(older, 2.5, one, also=today)[1]
+    assert merged["layers"] == module.reallocate(older, 2.5, one)[1]["layers"]
