@@ -36,6 +36,13 @@ from torchkv.pipeline.chain import chain_spec
 SAME_COST = 1e-2
 
 
+def measured_on(report: dict) -> dict:
+    """What a `tune.json`'s costs were measured on: model, domain, tokens, window length, and whether per KV head (a
+    folder saved before "per_head" was recorded was tuned per layer)."""
+    return {**{key: report.get(key) for key in ("model", "domain", "tokens", "seq_len")},
+            "per_head": report.get("per_head", False)}
+
+
 def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: float = 1.0,
                also: Path | None = None) -> tuple[torchkv.KVPipeline, dict]:
     """The tuned pipeline and report of `src`'s measured costs (and `also`'s, see the module docstring) allocated
@@ -45,15 +52,14 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
         raise ValueError(f"key_weight={key_weight:g}: weight the keys' costs by a positive factor")
     report = json.loads((src / "tune.json").read_text())
     model, _ = torchkv.load_model(report["model"])
-    per_head = report.get("per_head", False)  # a folder of `torchkv tune --per-head`: its costs by KV head too
+    per_head = measured_on(report)["per_head"]  # a folder of `torchkv tune --per-head`: its costs by KV head too
     sources = [(report, "")]
     if also is not None:
         other = json.loads((also / "tune.json").read_text())
-        same = ("model", "domain", "tokens", "seq_len", "per_head")
-        settings = [{key: r.get(key, False if key == "per_head" else None) for key in same} for r in (other, report)]
-        if settings[0] != settings[1]:  # a folder tuned before `--per-head` existed has no "per_head": per layer
+        theirs, ours = measured_on(other), measured_on(report)
+        if theirs != ours:
             raise ValueError(f"{also} was tuned on other calibration windows than {src} ("
-                             + ", ".join(f"{key} {settings[0][key]!r} against {settings[1][key]!r}" for key in same)
+                             + ", ".join(f"{key} {theirs[key]!r} against {ours[key]!r}" for key in ours)
                              + "): tune both on the same model, domain, --tokens and --seq-len")
         sources.append((other, f"{other['preset']}/"))
     pipes = [method(source["preset"]).pipeline.for_model(model) for source, _ in sources]
