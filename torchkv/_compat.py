@@ -1,6 +1,7 @@
 """The one place that touches torch internals, and that papers over differences between library versions."""
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable, Iterator
 
@@ -25,16 +26,22 @@ def recompile_headroom() -> Iterator[None]:
         config.recompile_limit, config.accumulated_recompile_limit = previous
 
 
-def own_cache(method: types.MethodType) -> Callable:
-    """`method` rebound to a copy of its code object. Dynamo keeps compiled graphs and their guards per code object,
-    and checks a call's guards against each graph in turn: with one code object for every pipeline, a process that
-    has compiled other pipelines pays their guard checks on each call (`kivi-2bit` decoded at 0.79x of
-    `DynamicCache` at 4K after seven other presets had run in the same process, 1.04x alone)."""
-    fn = method.__func__
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{id(method.__self__):x}")
+def function_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
+    """`fn` with a copy of its code object (named `NAME_TAG`): dynamo keeps compiled graphs, guards and the lengths
+    it has seen change per code object, so a copy compiles as if the process had never run `fn`."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
     copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
-    return types.MethodType(copy, method.__self__)
+    functools.update_wrapper(copy, fn)  # `inspect.signature` (which `generate` filters its inputs by) still works
+    return copy
+
+
+def own_cache(method: types.MethodType) -> Callable:
+    """`method` rebound to a copy of its code object. Dynamo checks a call's guards against each graph of the code
+    object in turn: with one code object for every pipeline, a process that has compiled other pipelines pays their
+    guard checks on each call (`kivi-2bit` decoded at 0.79x of `DynamicCache` at 4K after seven other presets had
+    run in the same process, 1.04x alone), and their graphs count against its recompile limit."""
+    return types.MethodType(function_copy(method.__func__, f"{id(method.__self__):x}"), method.__self__)
 
 
 def mark_dynamic(t: torch.Tensor, dim: int) -> None:

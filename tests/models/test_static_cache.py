@@ -1,5 +1,7 @@
 """Fixed-capacity caches (`max_cache_len`): decode steps on static buffers, and the whole step compiled."""
 
+import inspect
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -90,8 +92,8 @@ def test_whole_step_traces_into_one_graph_for_1000_tokens():
     ids, _ = _prompt(batch=1, pad=0)
     pipe = torchkv.KVPipeline.from_preset("kivi-2bit", residual=32)
     counter = CompileCounterWithBackend("eager")
-    step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=counter)
     with torchkv.patched(model, pipe):
+        step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=counter)  # the patch's forward
         eager = _decode(model, torchkv.new_cache(model, max_cache_len=1100), ids, 1000)
         compiled = _decode(model, torchkv.new_cache(model, max_cache_len=1100), ids, 1000, forward=step)
     assert counter.frame_count == 1
@@ -106,8 +108,8 @@ def test_inductor_whole_step_equals_eager(preset):  # kivi-4bit's graph is the o
     model = tiny_model("llama")
     ids, _ = _prompt(batch=1, pad=0)
     pipe = torchkv.KVPipeline.from_preset(preset, residual=32)
-    step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
     with torchkv.patched(model, pipe):
+        step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
         eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 48)
         compiled = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 48, forward=step)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
@@ -120,8 +122,8 @@ def test_inductor_shifts_a_window_longer_than_two_chunks_as_eager_does():
     0.35 off eager after the first flush)."""
     model = tiny_model("llama", heads=9, kv_heads=3, layers=1, hidden_size=576, intermediate_size=256, head_dim=64)
     ids, _ = _prompt(batch=1, pad=0, length=70)
-    step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
     with torchkv.patched(model, "kivi-2bit"):
+        step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
         eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 100)
         compiled = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 100, forward=step)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
@@ -231,6 +233,25 @@ def test_generate_compiles_the_step_with_a_compile_config():
         compiled = _generate(model, ids, mask, cache_implementation="static", compile_config=config).sequences
     assert hasattr(model, "_compiled_call")  # generate took the compiled path
     assert torch.equal(compiled, eager)
+
+
+def test_each_patch_compiles_the_forward_on_a_code_object_of_its_own():
+    """`generate`'s compiled step enters dynamo at the model's forward, whose code object every model of a class
+    shares. A patched model gets a copy of its own, so graphs compiled under other patches (other presets, other
+    models) do not count against its recompile limit; `unpatch` gives back the class's forward."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    codes = []
+    for preset in ("kivi-4bit", "kivi-2bit"):
+        with torchkv.patched(model, preset):
+            model.get_compiled_call(CompileConfig(fullgraph=True, backend="eager"))(input_ids=ids, use_cache=True)
+            codes.append(model.forward.__func__.__code__)
+            assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
+    assert codes[0] is not codes[1] and type(model).forward.__code__ not in codes
+    assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1, 1]
+    assert "forward" not in vars(model)
 
 
 def test_generate_compiles_the_step_with_the_whole_step_options(monkeypatch):

@@ -4,7 +4,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchkv.models.attention import grouped_as_query_heads
+from transformers.masking_utils import sliding_window_causal_mask_function
+
+from torchkv.models.attention import MaskSpec, grouped_as_query_heads
 from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
 
 
@@ -44,6 +46,20 @@ def test_flex_prefill_matches_sdpa(q_len, kv_len):
     mask = torch.arange(kv_len)[None] <= torch.arange(q_len)[:, None] + (kv_len - q_len)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_flex_prefill_keeps_each_sliding_window_a_constant():
+    """Two models' sliding windows through one process's compiled FlexAttention, each at two prompt lengths (the
+    second compiles symbolic lengths): a window that became a symbol once made the CPU template emit C++ that does
+    not compile (torch 2.13, Gemma 2's soft-capping). Outputs match dense attention under the same rule."""
+    for window in (40, 64):
+        rule = sliding_window_causal_mask_function(window)
+        for n in (150, 131):
+            q, k, v = torch.randn(1, 4, n, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+            spec = MaskSpec(rule, None, 0)
+            out = flex_prefill(q, k, v, block_mask_from(spec.mask_mod("cpu"), None, n, n, "cpu"), 0.125, softcap=30.0)
+            reference, _ = attend_dense(q, k, v, spec.dense(n, n, "cpu"), 0.125, softcap=30.0)
+            torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import Cache
 
-from torchkv._compat import config_head_dim
+from torchkv._compat import config_head_dim, own_cache
 from torchkv.models import arch
 from torchkv.models.attention import ATTENTION_NAME, register
 from torchkv.models.batch_invariant import make_linears_batch_invariant, restore_linears
@@ -38,6 +38,7 @@ class _Patch:
     hooks: list[RemovableHandle]
     prefill_kernel: str
     blocked_linears: list[nn.Linear]
+    own_forward: bool
 
 
 _PATCHES: "weakref.WeakKeyDictionary[nn.Module, _Patch]" = weakref.WeakKeyDictionary()
@@ -222,7 +223,13 @@ def patch(
     compiled_call = type(model).get_compiled_call
     model.get_compiled_call = lambda config: compiled_call(
         model, with_whole_step_options(config or model._default_compile_config()))
-    _PATCHES[model] = _Patch(pipe, previous, hooks, prefill_kernel, blocked)
+    # `generate`'s compiled step enters dynamo at the forward: one code object for every model of a class would
+    # count each patch's graphs against the others' recompile limit (a hard error under fullgraph=True, eager code
+    # otherwise). A forward already set on the instance (accelerate's hooks) is left as it is.
+    own_forward = "forward" not in vars(model)
+    if own_forward:
+        model.forward = own_cache(model.forward)
+    _PATCHES[model] = _Patch(pipe, previous, hooks, prefill_kernel, blocked, own_forward)
     return model
 
 
@@ -235,6 +242,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         hook.remove()
     restore_linears(state.blocked_linears)
     del model.get_compiled_call
+    if state.own_forward:
+        del model.forward
     model.set_attn_implementation(state.previous_attention)
     return model
 

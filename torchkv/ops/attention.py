@@ -2,10 +2,13 @@
 
 import functools
 import math
+import types
 from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from torchkv._compat import function_copy
 
 #: kernels for prompt (multi-token) attention: FlexAttention with the model's mask_mod as a BlockMask, or
 #: torch's SDPA with the same mask made dense (is_causal where it is plain causal). "auto" picks SDPA, and
@@ -28,11 +31,27 @@ def make_softcap_score_mod(cap: float) -> Callable:
     return softcap
 
 
+def rule_constants(fn: Callable) -> tuple:
+    """The numbers a mask_mod's closures hold, through nested closures and tuples of functions: transformers'
+    sliding window or chunk size inside torchkv's offset mask_mod."""
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, (bool, int, float)):
+            found.append(value)
+        for inner in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(inner, types.FunctionType):
+                found.extend(rule_constants(inner))
+    return tuple(found)
+
+
 @functools.cache
-def _compiled_flex(dynamic: bool) -> Callable:
-    # None: static first, then lengths that change become symbolic (closure ints such as a sliding
-    # window stay constants: the CPU template of torch 2.13 miscompiles symbolic ones)
-    return torch.compile(flex_attention, dynamic=None if dynamic else False)
+def _compiled_flex(dynamic: bool, constants: tuple) -> Callable:
+    # None: static first, then lengths that change become symbolic. One code object per mask_mod's constants: an
+    # int that changes between compiles of one code object (a second model's sliding window) becomes symbolic too,
+    # and the CPU template of torch 2.13 emits C++ that does not compile for a symbolic window
+    fn = function_copy(flex_attention, "_".join(map(str, constants)) or "plain")
+    return torch.compile(fn, dynamic=None if dynamic else False)
 
 
 def flex_prefill(
@@ -57,7 +76,7 @@ def flex_prefill(
         [B, Hq, Q, D], q's dtype.
     """
     score_mod = None if softcap is None else make_softcap_score_mod(softcap)
-    return _compiled_flex(dynamic)(
+    return _compiled_flex(dynamic, rule_constants(block_mask.mask_mod))(
         q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
 
