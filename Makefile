@@ -22,9 +22,9 @@ run: setup
 	$(PY) -m torchkv eval --quick --presets kivi-4bit,kivi-2bit,frontier-2bit,quanto-4bit --out benchmarks/results/quick/quick.json
 
 # one pytest-xdist worker per core (most of the suite is single-threaded compiling); tests/conftest.py gives each
-# worker its share of torch's threads
+# worker its share of torch's threads; worksteal: a worker that runs dry takes tests queued on the other
 test: setup
-	$(PY) -m pytest -m "not slow" -n auto --durations=60 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" -n auto --dist worksteal --durations=60 $(PYTEST_ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)

@@ -40,7 +40,7 @@ def _model_inputs(pipe, k, seed=1):
 
 #: SVDq's schedules share one chain structure, as do AQUA-KV's and XQuant's presets: a few compile, the rest
 #: run eagerly (CI time)
-COMPILED_OF_FAMILY = {"svdq-": {"svdq-1.25bit", "svdq-2bit-v4", "svdq-1.25bit-sparse-v4"}, "aquakv-": {"aquakv-2bit"},
+COMPILED_OF_FAMILY = {"svdq-": {"svdq-1.25bit", "svdq-1.25bit-sparse-v4"}, "aquakv-": {"aquakv-2bit"},
                       "xquant-": {"xquant-2bit", "xquant-cl-2bit"}, "frontier-": {"frontier-2.5bit"}}
 #: presets that derive parameters from a model's weights (XQuant) are specialized to this GQA model of
 #: SmolLM2's KV shape (3 KV heads x 64, X 384 wide)

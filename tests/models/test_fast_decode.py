@@ -30,14 +30,14 @@ def test_graph_count_does_not_grow_with_generation_length(preset, layers, option
         cache = torchkv.new_cache(model)
         logits = model(prompt, **cache_argument(model, cache)).logits
         graphs = []
-        for step in range(1000):
+        for step in range(600):
             token = logits[:, -1:].argmax(-1)
             logits = model(token, **cache_argument(model, cache)).logits
-            if step in (150, 999):
+            if step in (150, 599):
                 graphs.append(counters["stats"]["unique_graphs"])
     store = cache.layers[0].store
-    assert store.n_encoded > 960 or store.n_residual > 960  # encoded chunks, or the full-precision part, grew
-    assert graphs[1] == graphs[0], f"{graphs[1] - graphs[0]} graphs compiled between tokens 150 and 1000"
+    assert store.n_encoded > 560 or store.n_residual > 560  # encoded chunks, or the full-precision part, grew
+    assert graphs[1] == graphs[0], f"{graphs[1] - graphs[0]} graphs compiled between tokens 150 and 600"
 
 
 def _cast_chains(compile: bool) -> torchkv.KVPipeline:
@@ -76,7 +76,8 @@ def _preset(name: str, **options):
 COMPILED_DECODE = {
     "kivi-2bit": (_preset("kivi-2bit"), True),
     "kivi-4bit-sinks": (_preset("kivi-4bit", sinks=4), True),
-    "hadamard-mixed": (_hadamard_mixed, True),
+    # Hadamard-rotated chains run fused in "frontier-2.5bit-3bit-keys-query-metric" and "per-head-widths" (values)
+    "hadamard-mixed": pytest.param((_hadamard_mixed, True), marks=pytest.mark.slow),
     "float16-window": (_cast_chains, True),
     # its chains run compiled inside "per-head-widths" (heads 1, 1-2), which keeps the suite within its time
     "frontier-2bit": pytest.param((_preset("frontier-2bit"), True), marks=pytest.mark.slow),
@@ -88,7 +89,8 @@ COMPILED_DECODE = {
     # "per-head-widths" runs this chain compiled, by chunk, under the same assertions
     "frontier-2bit-rotary-center": pytest.param((_preset("frontier-2bit", rotary_center=True), True),
                                                 marks=pytest.mark.slow),
-    "xquant-2bit": (_preset("xquant-2bit"), False),
+    # "xquant-cl-2bit" rematerializes keys and sums values in the latent the same way, across layers too
+    "xquant-2bit": pytest.param((_preset("xquant-2bit"), False), marks=pytest.mark.slow),
     "xquant-cl-2bit": (_preset("xquant-cl-2bit"), False),
     "svdq-1.25bit-v4": (_preset("svdq-1.25bit-v4"), False),
     "svdq-1.25bit": pytest.param((_preset("svdq-1.25bit"), False), marks=pytest.mark.slow),

@@ -1,6 +1,8 @@
 """Fixed-capacity caches (`max_cache_len`): decode steps on static buffers, and the whole step compiled."""
 
+import gc
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -252,6 +254,10 @@ def test_each_patch_compiles_the_forward_on_a_code_object_of_its_own():
     assert codes[0] is not codes[1] and type(model).forward.__code__ not in codes
     assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1, 1]
     assert "forward" not in vars(model)
+    alive = weakref.ref(torchkv.patch(model, "kivi-2bit"))
+    del model
+    gc.collect()
+    assert alive() is None  # the registry of patches holds no reference to a patched model
 
 
 def test_generate_compiles_the_step_with_the_whole_step_options(monkeypatch):

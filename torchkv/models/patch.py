@@ -11,7 +11,7 @@ fixed blocks of rows. `unpatch` removes them.
 import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ class _Patch:
     hooks: list[RemovableHandle]
     prefill_kernel: str
     blocked_linears: list[nn.Linear]
-    own_forward: bool
+    own_forward: Callable | None  # function of the forward `patch` set (unbound: the registry must not hold the model)
 
 
 _PATCHES: "weakref.WeakKeyDictionary[nn.Module, _Patch]" = weakref.WeakKeyDictionary()
@@ -226,9 +226,10 @@ def patch(
     # `generate`'s compiled step enters dynamo at the forward: one code object for every model of a class would
     # count each patch's graphs against the others' recompile limit (a hard error under fullgraph=True, eager code
     # otherwise). A forward already set on the instance (accelerate's hooks) is left as it is.
-    own_forward = "forward" not in vars(model)
-    if own_forward:
+    own_forward = None
+    if "forward" not in vars(model):
         model.forward = own_cache(model.forward)
+        own_forward = model.forward.__func__
     _PATCHES[model] = _Patch(pipe, previous, hooks, prefill_kernel, blocked, own_forward)
     return model
 
@@ -242,8 +243,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         hook.remove()
     restore_linears(state.blocked_linears)
     del model.get_compiled_call
-    if state.own_forward:
-        del model.forward
+    if state.own_forward is not None and getattr(vars(model).get("forward"), "__func__", None) is state.own_forward:
+        del model.forward  # (one that wraps it, set after `patch`, stays)
     model.set_attn_implementation(state.previous_attention)
     return model
 
