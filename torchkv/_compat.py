@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import itertools
 import types
 from collections.abc import Callable, Iterator
 
@@ -41,7 +42,40 @@ def own_cache(method: types.MethodType) -> Callable:
     object in turn: with one code object for every pipeline, a process that has compiled other pipelines pays their
     guard checks on each call (`kivi-2bit` decoded at 0.79x of `DynamicCache` at 4K after seven other presets had
     run in the same process, 1.04x alone), and their graphs count against its recompile limit."""
-    return types.MethodType(function_copy(method.__func__, f"{id(method.__self__):x}"), method.__self__)
+    return types.MethodType(function_copy(method.__func__, str(next(_FORWARD_COPIES))), method.__self__)
+
+
+#: numbers the copies `own_cache` makes: a model's id can come back once it is freed, and dynamo keeps what it
+#: learnt of a function's input shapes by file, line and name
+_FORWARD_COPIES = itertools.count()
+
+
+def _follow_live_side_effects() -> None:
+    """Work around torch 2.13's Dynamo losing the attribute writes made to an object after a `torch.cond` when the
+    same object was written before it: its view of the object's `__dict__` (`SideEffectsProxyDict`) keeps the
+    side-effect table it was made with, and the cond replaces that table by a copy, so the later writes land in a
+    table the compiled code no longer replays (`A.x = 1; torch.cond(...); A.x = 2` leaves `A.x == 1`). Our decode
+    step flushes each layer's window under a `torch.cond` on the CPU, inside transformers' and kernels' context
+    variables that are set before a layer and reset after: they stayed set after every compiled step, so the next
+    step recompiled, and an eager forward after it read the step's stale output collector. The view is made to
+    read the table its output graph holds now."""
+    try:
+        from torch._dynamo.variables.dicts import SideEffectsProxyDict
+    except ImportError:  # torch before 2.13 keeps no such view
+        return
+    if isinstance(vars(SideEffectsProxyDict).get("side_effects"), property):
+        return
+
+    def live(view):
+        return view.output_graph().side_effects
+
+    def bind(view, side_effects) -> None:
+        view.output_graph = side_effects.output_graph_weakref
+
+    SideEffectsProxyDict.side_effects = property(live, bind)
+
+
+_follow_live_side_effects()
 
 
 def mark_dynamic(t: torch.Tensor, dim: int) -> None:

@@ -105,6 +105,23 @@ def test_whole_step_traces_into_one_graph_for_1000_tokens():
 
 
 @torch.no_grad()
+def test_an_eager_forward_after_a_compiled_step_returns_its_hidden_states():
+    """transformers collects `output_hidden_states` through a variable it sets before the layers and resets after;
+    a compiled step whose layers flush under a `torch.cond` left it set (torch 2.13, see
+    `torchkv._compat._follow_live_side_effects`), and the next eager forward returned no hidden state."""
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0)
+    with torchkv.patched(model, torchkv.KVPipeline.from_preset("kivi-2bit", residual=32)):
+        cache = torchkv.new_cache(model, max_cache_len=200)
+        passed = cache_argument(model, cache)
+        model(input_ids=ids, **passed, use_cache=True)
+        step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="eager")
+        step(input_ids=ids[:, :1], position_ids=torch.tensor([[ids.shape[1]]]), **passed, use_cache=True)
+        out = model(input_ids=ids, output_hidden_states=True)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("preset", ["kivi-4bit", "frontier-2bit"])
 def test_inductor_whole_step_equals_eager(preset):  # kivi-4bit's graph is the one the benchmark row test below reuses
     model = tiny_model("llama")
