@@ -61,16 +61,19 @@ def _follow_live_side_effects() -> None:
     read the table its output graph holds now."""
     try:
         from torch._dynamo.variables.dicts import SideEffectsProxyDict
-    except ImportError:  # torch before 2.13 keeps no such view
+    except ImportError:  # a torch without that view
         return
     if isinstance(vars(SideEffectsProxyDict).get("side_effects"), property):
         return
 
     def live(view):
-        return view.output_graph().side_effects
+        graph = view.output_graph() if view.output_graph is not None else None
+        return view.bound_side_effects if graph is None else graph.side_effects
 
     def bind(view, side_effects) -> None:
-        view.output_graph = side_effects.output_graph_weakref
+        # the table it was made with stays the answer where its output graph cannot be reached (other versions)
+        view.bound_side_effects = side_effects
+        view.output_graph = getattr(side_effects, "output_graph_weakref", None)
 
     SideEffectsProxyDict.side_effects = property(live, bind)
 
