@@ -5,13 +5,12 @@ cores: 0.26-0.33 ms per call, 8.6% of the step). This script runs the same row o
 the arguments of one layer's compiled `attend`, and times, outside any profiler, the guard check of each graph
 dynamo holds for it and the whole compiled call.
 
-    python benchmarks/guard_cost.py --preset frontier-2bit --context 4096 --out benchmarks/results/decode/guard_cost.json
+    python benchmarks/guard_cost.py --preset frontier-2bit --context 4096 --out benchmarks/results/decode/guard_cost_frontier-2bit.json
 """
 
 import argparse
 import inspect
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -24,18 +23,9 @@ from torchkv.eval.speed import _compiled_at_first_call
 from torchkv.pipeline.codec import Codec
 from torchkv.testing import load_script
 
+CPU = torch.device("cpu")
 gpu_decode = load_script(Path(__file__).with_name("gpu_decode.py"))
-
-
-def _microseconds(fn, repeats: int) -> float:
-    """Best of 3 means over `repeats` calls."""
-    means = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        means.append((time.perf_counter() - start) / repeats * 1e6)
-    return min(means)
+decode_benchmark = load_script(Path(__file__).with_name("decode.py"))
 
 
 @torch.no_grad()
@@ -74,9 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "preset": args.preset, "context": args.context, "model": "smollm2", "torch": torch.__version__,
         "graphs": len(entries),
-        "guard_check_us": [_microseconds(lambda e=e: e.guard_manager.check(frame), 200) for e in entries],
+        "guard_check_us": [1e6 * decode_benchmark._timed(lambda e=e: e.guard_manager.check(frame), 200, CPU)
+                           for e in entries],
         "passing_graph": next(i for i, e in enumerate(entries) if e.guard_manager.check(frame)),
-        "compiled_call_us": _microseconds(lambda: compiled(*call), 50),
+        "compiled_call_us": 1e6 * decode_benchmark._timed(lambda: compiled(*call), 50, CPU),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

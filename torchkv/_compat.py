@@ -37,6 +37,11 @@ def function_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
     return copy
 
 
+#: numbers the copies `own_cache` makes: a model's id can come back once it is freed, and dynamo keeps what it
+#: learnt of a function's input shapes by file, line and name
+_FORWARD_COPIES = itertools.count()
+
+
 def own_cache(method: types.MethodType) -> Callable:
     """`method` rebound to a copy of its code object. Dynamo checks a call's guards against each graph of the code
     object in turn: with one code object for every pipeline, a process that has compiled other pipelines pays their
@@ -44,10 +49,6 @@ def own_cache(method: types.MethodType) -> Callable:
     run in the same process, 1.04x alone), and their graphs count against its recompile limit."""
     return types.MethodType(function_copy(method.__func__, str(next(_FORWARD_COPIES))), method.__self__)
 
-
-#: numbers the copies `own_cache` makes: a model's id can come back once it is freed, and dynamo keeps what it
-#: learnt of a function's input shapes by file, line and name
-_FORWARD_COPIES = itertools.count()
 
 
 def _follow_live_side_effects() -> None:

@@ -112,11 +112,8 @@ def test_an_eager_forward_after_a_compiled_step_returns_its_hidden_states():
     model = tiny_model("llama")
     ids, _ = _prompt(batch=1, pad=0)
     with torchkv.patched(model, torchkv.KVPipeline.from_preset("kivi-2bit", residual=32)):
-        cache = torchkv.new_cache(model, max_cache_len=200)
-        passed = cache_argument(model, cache)
-        model(input_ids=ids, **passed, use_cache=True)
         step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="eager")
-        step(input_ids=ids[:, :1], position_ids=torch.tensor([[ids.shape[1]]]), **passed, use_cache=True)
+        _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 1, forward=step)
         out = model(input_ids=ids, output_hidden_states=True)
     assert len(out.hidden_states) == model.config.num_hidden_layers + 1
 
