@@ -6,7 +6,7 @@ conftest before Triton is imported), in float32 and float16 (the interpreter has
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import torchkv
@@ -14,7 +14,7 @@ import torchkv.transforms as T
 from torchkv.models import cache_argument
 from torchkv.ops import triton_decode, triton_grid_decode
 from torchkv.pipeline import LayerState
-from torchkv.testing import tiny_model
+from torchkv.testing import rope_tables, tiny_model
 
 pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,6 +64,14 @@ def cases(draw):
                 dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 99)))
 
 
+def _bias(c, q: torch.Tensor, tokens: int, per_token: bool) -> torch.Tensor:
+    """A score bias: one per query head `[B, Hq]`, or one per query head and encoded token `[B, Hq, tokens]` (a turned
+    centre's offsets)."""
+    b, hq = q.shape[:2]
+    g = torch.Generator().manual_seed(c["seed"] + 1)
+    return (torch.randn(b, hq, *([tokens] if per_token else []), generator=g) * 0.5).to(DEVICE)
+
+
 def _history_mask(c, tokens: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention mask `[B, tokens + fp]` of a case (row 0 left-padded, an optional sliding window, the new token
     attending to itself) and its live count of encoded tokens."""
@@ -95,13 +103,13 @@ def _inputs(c):
 
 
 @settings(max_examples=12)  # the interpreter runs each program in NumPy: about a second an example
-@given(c=cases())
-def test_kernel_equals_eager_reference(c):
+@given(c=cases(), token_bias=st.booleans())
+def test_kernel_equals_eager_reference(c, token_bias):
     pipe, s, q, kf, vf, mask, live = _inputs(c)
     b, hq, _, d = q.shape
     q = q.reshape(b, hq, d)
     args = (q, q, s["k.out"], s["k.0.scale"], s["k.0.zero"], s["v.out"], s["v.0.scale"], s["v.0.zero"], kf, vf, mask,
-            torch.randn(b, hq, device=DEVICE) * 0.1, live, c["softcap"], c["bits"], c["bits"])
+            _bias(c, q, c["chunks"] * pipe.chunk, token_bias), live, c["softcap"], c["bits"], c["bits"])
     expected = triton_decode.kivi_decode_reference(*args)
     got = triton_decode.kivi_decode(*args)
     for name, x, y in zip(("out", "lse", "s_fp"), got, expected):
@@ -132,23 +140,24 @@ def test_pipeline_kernel_path_equals_the_inductor_path(c):
 
 @pytest.mark.parametrize("masked", [True, False])
 def test_many_splits_combine(masked):
-    """A history long enough for several splits per row (the log-sum-exp combine of many partials), with a mask,
-    or with no mask and no bias (arguments the kernel then never reads)."""
+    """A history long enough for several splits per row (the log-sum-exp combine of many partials), with a mask and a
+    bias per token (read at each split's own tokens), or with no mask and no bias (arguments the kernel then never
+    reads)."""
     c = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=40, fp=3, live=37,
              pad=5, window=None, softcap=0.0, dtype=torch.float32, seed=3)
     pipe, s, q, kf, vf, mask, live = _inputs(c)
     assert triton_decode._splits(1, 40 * 32)[1] > 8
     q = q.reshape(1, 4, 64)
     args = (q, q, s["k.out"], s["k.0.scale"], s["k.0.zero"], s["v.out"], s["v.0.scale"], s["v.0.zero"], kf, vf,
-            mask if masked else None, torch.randn(1, 4, device=DEVICE) if masked else None, live, 0.0, 2, 2)
+            mask if masked else None, _bias(c, q, 40 * 32, per_token=True) if masked else None, live, 0.0, 2, 2)
     for x, y in zip(triton_decode.kivi_decode(*args), triton_decode.kivi_decode_reference(*args)):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
 @st.composite
 def grid_cases(draw):
-    """A frontier-like pipeline (optionally balanced HIGGS keys on a 256-point grid, Hadamard-rotated symmetric
-    per-token values) over a history as in `cases`."""
+    """A frontier-like pipeline (optionally centred by a centre turned to each position, optionally balanced HIGGS
+    keys on a 256- or 64-point grid, Hadamard-rotated symmetric per-token values) over a history as in `cases`."""
     c = draw(cases())
     return {**c, "dim": draw(st.sampled_from([32, 64, 80])), "key_bits": draw(st.sampled_from([1, 2, 3, 4])),
             "span": draw(st.sampled_from(["head", "token"])), "balance": draw(st.booleans()),
@@ -162,12 +171,15 @@ def _grid_pipeline(c, compile: bool | str = "auto") -> torchkv.KVPipeline:
     higgs = T.quantize("higgs", bits=c["key_bits"], dim=dim, span=c["span"], scale_dtype=c["key_meta"])
     values = T.quantize(bits=c["bits"], axis="token", group=None, symmetric=True, step="gaussian",
                         meta_dtype=c["value_meta"])
-    return torchkv.KVPipeline(keys=[*([T.project("balance")] if c["balance"] else []), higgs, T.pack()],
-                              values=[T.rotate("hadamard"), values, T.pack()], compile=compile)
+    keys = [*([T.predict("rotary_center")] if c.get("rotary_center") else []),
+            *([T.project("balance")] if c["balance"] else []), higgs, T.pack()]
+    # frontier's chunk of 32 tokens: per-token quantizers alone would make each token a chunk of its own
+    return torchkv.KVPipeline(keys=keys, values=[T.rotate("hadamard"), values, T.pack()], chunk=32, compile=compile)
 
 
 def _grid_inputs(c):
-    """As `_inputs`, for a `grid_cases` pipeline; "tiny" keys and values have subnormal float8 metadata."""
+    """As `_inputs`, for a `grid_cases` pipeline, and the encoded tokens' rotary tables; "tiny" keys and values have
+    subnormal float8 metadata."""
     g = torch.Generator().manual_seed(c["seed"])
     pipe, encoder = _grid_pipeline(c), _grid_pipeline(c, compile=False)
     b, h, d, hq = c["batch"], c["heads"], c["dim"], c["heads"] * c["ratio"]
@@ -175,14 +187,15 @@ def _grid_inputs(c):
     size = 1e-5 if c["tiny"] else 1.0
     k = (torch.randn(b, h, tokens, d, generator=g) * 2 + 0.5) * size
     v = torch.randn(b, h, tokens, d, generator=g) * size
-    prepared = encoder.prepare(k, v, inputs={"queries": torch.randn(b, hq, tokens, d, generator=g)})
-    state = encoder.encode_chunk(k, v, prepared=prepared)
+    rope = rope_tables(b, tokens, d)
+    prepared = encoder.prepare(k, v, inputs={"queries": torch.randn(b, hq, tokens, d, generator=g), **rope})
+    state = encoder.encode_chunk(k, v, prepared=prepared, inputs=rope)
     q = torch.randn(b, hq, 1, d, generator=g) * d**-0.5
     kf = (torch.randn(b, h, c["fp"], d, generator=g) * 2 * size).to(c["dtype"])
     vf = (torch.randn(b, h, c["fp"], d, generator=g) * size).to(c["dtype"])
     mask, live = _history_mask(c, tokens, pipe.chunk)
     to = lambda tensors: {n: t.to(DEVICE) for n, t in tensors.items()}  # noqa: E731
-    return pipe, to(state), to(prepared), *(t.to(DEVICE) for t in (q, kf, vf, mask, live))
+    return pipe, to(state), to(prepared), to(rope), *(t.to(DEVICE) for t in (q, kf, vf, mask, live))
 
 
 def _grid_args(pipe, s, q, kf, vf, mask, live, softcap, bias):
@@ -196,27 +209,34 @@ def _grid_args(pipe, s, q, kf, vf, mask, live, softcap, bias):
 
 
 @settings(max_examples=8)  # the suite's time: grid cases share the KIVI cases' split, mask and combine code
-@given(c=grid_cases())
-def test_grid_kernel_equals_eager_reference(c):
-    pipe, s, _, q, kf, vf, mask, live = _grid_inputs(c)
-    bias = torch.randn(q.shape[0], q.shape[1], device=DEVICE) * 0.1
-    args = _grid_args(pipe, s, q, kf, vf, mask, live, c["softcap"], bias)
+@given(c=grid_cases(), token_bias=st.booleans())
+def test_grid_kernel_equals_eager_reference(c, token_bias):
+    pipe, s, _, _, q, kf, vf, mask, live = _grid_inputs(c)
+    args = _grid_args(pipe, s, q, kf, vf, mask, live, c["softcap"], _bias(c, q, c["chunks"] * pipe.chunk, token_bias))
     expected = triton_grid_decode.grid_decode_reference(*args)
     got = triton_grid_decode.grid_decode(*args)
     for name, x, y in zip(("out", "lse", "s_fp"), got, expected):
         torch.testing.assert_close(x, y, **_tolerance(c["dtype"]), msg=name)
 
 
+#: a long history of 6-bit key codes in words (the 3-bit grid), balanced, with float8 metadata and a padded row
+LONG_GRID_CASE = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=40, fp=3, live=37,
+                      pad=5, window=None, softcap=0.0, dtype=torch.float32, seed=3, key_bits=3, span="head",
+                      balance=True, key_meta="float8_e5m2", value_meta="float8_e5m2", tiny=False)
+
+
 @settings(max_examples=8)
-@given(c=grid_cases())
-def test_pipeline_grid_kernel_path_equals_the_inductor_path(c):
-    """`Codec.attend` of a frontier-like pipeline through the grid kernel (query balanced and rotated, window values
-    rotated into the codes' domain, the output rotated back) gives what the CPU path gives."""
-    pipe, s, prepared, q, kf, vf, mask, live = _grid_inputs(c)
+@given(c=grid_cases(), rotary_center=st.booleans())
+@example(c={**LONG_GRID_CASE, "chunks": 3, "live": 3}, rotary_center=True)  # every encoded token live, keys not tiny
+def test_pipeline_grid_kernel_path_equals_the_inductor_path(c, rotary_center):
+    """`Codec.attend` of a frontier-like pipeline through the grid kernel (query balanced and rotated, a turned
+    centre's offsets one per token, window values rotated into the codes' domain, the output rotated back) gives what
+    the CPU path gives."""
+    pipe, s, prepared, rope, q, kf, vf, mask, live = _grid_inputs({**c, "rotary_center": rotary_center})
     encoded = {n: t.unflatten(2, (c["chunks"], -1)) for n, t in s.items()}
     index = torch.arange(mask.shape[1], device=DEVICE)
     live_mask = mask & ((index < live) | (index >= c["chunks"] * pipe.chunk))[None]
-    args = (q.float(), encoded, kf, vf, live_mask[:, None, None], c["softcap"] or None, LayerState({}, prepared, {}))
+    args = (q.float(), encoded, kf, vf, live_mask[:, None, None], c["softcap"] or None, LayerState({}, prepared, rope))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_decode, "runs_on", lambda device: False)
         expected = pipe.codec.attend(*args)
@@ -231,24 +251,26 @@ def test_pipeline_grid_kernel_path_equals_the_inductor_path(c):
 
 
 def test_grid_many_splits_combine():
-    """Many splits of 6-bit key codes packed in words (the 3-bit grid): the codes that straddle bytes read right."""
-    c = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=40, fp=3, live=37, pad=5,
-             window=None, softcap=0.0, dtype=torch.float32, seed=3, key_bits=3, span="head", balance=True,
-             key_meta="float8_e5m2", value_meta="float8_e5m2", tiny=False)
-    pipe, s, _, q, kf, vf, mask, live = _grid_inputs(c)
+    """Many splits of 6-bit key codes packed in words (the 3-bit grid): the codes that straddle bytes read right, and
+    a bias per token at each split's own tokens."""
+    c = LONG_GRID_CASE
+    pipe, s, _, _, q, kf, vf, mask, live = _grid_inputs(c)
     assert triton_decode._splits(1, 40 * 32)[1] > 8
-    args = _grid_args(pipe, s, q, kf, vf, mask, live, 0.0, None)
+    args = _grid_args(pipe, s, q, kf, vf, mask, live, 0.0, _bias(c, q, 40 * 32, per_token=True))
     for x, y in zip(triton_grid_decode.grid_decode(*args), triton_grid_decode.grid_decode_reference(*args)):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("preset, capacity", [("kivi-2bit", None), ("kivi-2bit", 200), ("frontier-2bit", None)])
+@pytest.mark.parametrize("preset, capacity", [("kivi-2bit", None), ("kivi-2bit", 200),
+                                              ("frontier-2bit:rotary_center=True", None)])
 def test_a_model_decodes_through_the_kernel(preset, capacity, monkeypatch):
     """A padded batch on a tiny model with sinks: the kernel path (growing store or fixed-capacity buffers, one
     launch per row group) gives the logits of eager decode (`compile=False`) across window flushes; frontier's
-    first layer at 4 bits (2-D grid) and its second at 2 (4-D grid), each through its own kernel launch. Each row's
-    window (44 and 41 tokens after the prompt's chunk, of at most 16 + 32) flushes once in the 9 decode steps."""
+    first layer at 4 bits (2-D grid) and its second at 2 (4-D grid), each through its own kernel launch, with keys
+    centred by a centre turned to each position (the kernel adds its offsets per token, from the chunks' rotary
+    tables of each padded row). Each row's window (44 and 41 tokens after the prompt's chunk, of at most 16 + 32)
+    flushes once in the 9 decode steps."""
     model = tiny_model("llama").to(DEVICE)
     ids = torch.randint(3, 128, (2, 78), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones_like(ids)

@@ -67,8 +67,8 @@ def reference_attention(q_enc, q_fp, k_hat, v_hat, kf, vf, mask, bias, live, sof
     h, te = k_hat.shape[1], k_hat.shape[2]
     g = hq // h
     s_enc = torch.einsum("bhgd,bhtd->bhgt", q_enc.view(b, h, g, d), k_hat)
-    if bias is not None:
-        s_enc = s_enc + bias.view(b, h, g, 1)
+    if bias is not None:  # one per query head, or one per query head and encoded token
+        s_enc = s_enc + bias.view(b, h, g, -1)
     s_fp = torch.einsum("bhgd,bhtd->bhgt", q_fp.view(b, h, g, d), kf.float())
     scores = torch.cat([s_enc, s_fp], -1)
     if softcap:
@@ -193,17 +193,26 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G: tl.constexpr, HEAD_BIAS: tl.constexpr,
                       HAS_LIVE: tl.constexpr):
-        """Encoded tokens [start, end) of `split` (none past the live count), and the bias of the query heads `hq`."""
+        """Encoded tokens [start, end) of `split` (none past the live count), and the bias of the query heads `hq`
+        where it is one per head."""
         extra = tl.zeros([BLOCK_G], tl.float32)
-        if HAS_BIAS:
+        if HEAD_BIAS:
             extra = tl.load(bias + hq, mask=gmask, other=0.0)
         end = TE
         if HAS_LIVE:
             end = tl.minimum(end, tl.load(live).to(tl.int32))
         start = split * SPLIT
         return start, tl.minimum(end, start + SPLIT), extra
+
+    @triton.jit
+    def _token_bias(s, bias, hq, t, gmask, tmask, TE, TOKEN_BIAS: tl.constexpr):
+        """Scores s [G, BLOCK] of encoded tokens `t` plus the bias of each (query head, token) where the bias is one
+        per token (`bias` [B·Hq, TE])."""
+        if TOKEN_BIAS:
+            s = s + tl.load(bias + hq[:, None] * TE + t[None, :], mask=gmask[:, None] & tmask[None, :], other=0.0)
+        return s
 
     @triton.jit
     def _store_partial(part_o, part_m, part_l, m, l, acc, hq, gmask, split, NSPLIT, dv, dv_ok, D: tl.constexpr):
@@ -220,8 +229,8 @@ if triton is not None:
         H, TE, F, MK, MV, SPLIT, NSPLIT, mask_rows, mask_cols, softcap,
         G: tl.constexpr, D: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
         BITS_K: tl.constexpr, BITS_V: tl.constexpr, MK_PAD: tl.constexpr, MV_PAD: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+        HAS_MASK: tl.constexpr, HEAD_BIAS: tl.constexpr, TOKEN_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
+        SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
         DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One split of one (batch row, KV head): its GQA group's partial softmax over encoded tokens [start, end),
@@ -241,7 +250,7 @@ if triton is not None:
         if split < NSPLIT:  # encoded tokens [start, end)
             dk, dk_ok = _planar(BITS_K, MK, MK_PAD, D)
             q = tl.load(q_enc + hq[:, None] * D + dk[None, :], mask=gmask[:, None] & dk_ok[None, :], other=0.0)
-            start, end, extra = _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G, HAS_BIAS, HAS_LIVE)
+            start, end, extra = _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G, HEAD_BIAS, HAS_LIVE)
             for t0 in range(start, end, BLOCK):
                 t = t0 + ob
                 tmask = t < end
@@ -249,6 +258,7 @@ if triton is not None:
                 codes = _codes(kc, row, tmask, MK, BITS_K, MK_PAD, BLOCK).to(tl.float32)
                 s = _encoded_scores(q, codes, ks, kz, extra, bh, t0, t, tmask, dk, dk_ok, TE,
                                     D, GK, GROUPS, BLOCK_G, BLOCK, DOT, PRECISION)
+                s = _token_bias(s, bias, hq, t, gmask, tmask, TE, TOKEN_BIAS)
                 s = _scored(s, t, tmask, mask, mrow, softcap, SOFTCAP, HAS_MASK)
                 v = _encoded_values(vc, vs, vz, row, tmask, dv, dv_ok, MV, D, GV, BITS_V, MV_PAD, BLOCK)
                 m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
@@ -299,6 +309,12 @@ def _groups(gk: int) -> int:
     return BLOCK_T // gk if BLOCK_T % gk == 0 else 0
 
 
+def bias_flags(bias: torch.Tensor | None) -> dict:
+    """The kernels' flags for a score bias: one per query head `[B, Hq]`, or per query head and encoded token
+    `[B, Hq, TE]`."""
+    return {"HEAD_BIAS": bias is not None and bias.dim() == 2, "TOKEN_BIAS": bias is not None and bias.dim() == 3}
+
+
 def _dot(dtype: torch.dtype) -> dict:
     """The dots' operand dtype and input precision for a model of `dtype` (`PRECISION`)."""
     if PRECISION is None and dtype in (torch.bfloat16, torch.float16):
@@ -322,7 +338,8 @@ def kivi_decode(
         vc: [B, H, TE, MV] uint8 planar value codes; vs, vz: [B, H, TE, D/Gv] per channel group.
         kf, vf: [B, H, F, D] the full-precision tokens (sinks, window, new), after the encoded ones.
         mask: [B or 1, TE + F] bool, True where a token is attended; None: all.
-        bias: [B, Hq] float32 added to every encoded token's score (a key transform's offset), or None.
+        bias: float32 added to the encoded tokens' scores (key transforms' offsets): [B, Hq] one per query head,
+            [B, Hq, TE] one per query head and token (a centre turned to each token's position); or None.
         live: 0-d int64 tensor, encoded tokens held (the rest are not read); None: all TE.
         softcap: the model's attention soft-capping `c·tanh(s/c)`, 0 for none.
 
@@ -352,7 +369,7 @@ def kivi_decode(
         per, nsplit, 1 if mask is None else mask.shape[0], te + f, float(softcap),
         G=g, D=d, GK=te // ks.shape[2], GV=d // vs.shape[-1], BITS_K=bits_k, BITS_V=bits_v,
         MK_PAD=triton.next_power_of_2(mk), MV_PAD=triton.next_power_of_2(mv),
-        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
+        HAS_MASK=mask is not None, **bias_flags(bias), HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
         BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=BLOCK_T, GROUPS=_groups(te // ks.shape[2]),
         **_dot(kf.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,

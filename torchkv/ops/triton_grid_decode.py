@@ -47,7 +47,7 @@ if triton is not None:
     import triton.language as tl
 
     from torchkv.ops.triton_decode import (_codes, _full_precision_part, _online, _planar, _scored, _split_bounds,
-                                           _store_partial)
+                                           _store_partial, _token_bias)
 
     @triton.jit
     def _meta(ptr, at, ok, MANT: tl.constexpr, BIAS: tl.constexpr):
@@ -108,8 +108,8 @@ if triton is not None:
         G: tl.constexpr, D: tl.constexpr, DG: tl.constexpr, K_PAD: tl.constexpr, CODE_BITS: tl.constexpr,
         BITS_V: tl.constexpr, MV_PAD: tl.constexpr,
         K_MANT: tl.constexpr, K_BIAS: tl.constexpr, V_MANT: tl.constexpr, V_BIAS: tl.constexpr,
-        HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr, SOFTCAP: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_MASK: tl.constexpr, HEAD_BIAS: tl.constexpr, TOKEN_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
+        SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
         DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One split of one (batch row, KV head): its GQA group's partial softmax over encoded tokens [start, end),
@@ -129,7 +129,7 @@ if triton is not None:
         if split < NSPLIT:  # encoded tokens [start, end)
             dk = tl.arange(0, K_PAD * DG)  # key channels in order; channel d is point d % DG of group d // DG
             q = tl.load(q_enc + hq[:, None] * D + dk[None, :], mask=gmask[:, None] & (dk < D)[None, :], other=0.0)
-            start, end, extra = _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G, HAS_BIAS, HAS_LIVE)
+            start, end, extra = _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G, HEAD_BIAS, HAS_LIVE)
             scale_head = (bh - b * H) % SH  # a multiplier per token and head (SH = H) or per token (SH = 1)
             for t0 in range(start, end, BLOCK):
                 t = t0 + ob
@@ -137,6 +137,7 @@ if triton is not None:
                 row = bh * TE + t  # token row of the [B·H, TE, ...] tensors
                 s = _grid_scores(q, kc, ks, grid, row, (b * SH + scale_head) * TE + t, tmask, extra, key_norm, K,
                                  KB, DG, K_PAD, CODE_BITS, BLOCK, K_MANT, K_BIAS, DOT, PRECISION)
+                s = _token_bias(s, bias, hq, t, gmask, tmask, TE, TOKEN_BIAS)
                 s = _scored(s, t, tmask, mask, mrow, softcap, SOFTCAP, HAS_MASK)
                 v = _symmetric_values(vc, vs, row, tmask, MV, BITS_V, MV_PAD, BLOCK, V_MANT, V_BIAS)
                 m, l, acc = _online(s, m, l, acc, v, DOT, PRECISION)
@@ -172,7 +173,7 @@ def grid_decode(
         vc: [B, H, TE, MV] uint8 planar value codes of `bits_v` bits; vs: [B, H, TE] each token's step.
         kf, vf: [B, H, F, D] the full-precision tokens (sinks, window, new), after the encoded ones; vf in the
             values' stored domain.
-        mask, bias, live, softcap: as in `triton_decode.kivi_decode`.
+        mask, bias, live, softcap: as in `triton_decode.kivi_decode` (a bias per token: a turned centre's offsets).
 
     Returns:
         out [B, Hq, D] float32, in the values' stored domain; lse [B, Hq]; s_fp [B, Hq, F], as `kivi_decode`.
@@ -203,8 +204,8 @@ def grid_decode(
         G=g, D=d, DG=dg, K_PAD=triton.next_power_of_2(k), CODE_BITS=code_bits, BITS_V=bits_v,
         MV_PAD=triton.next_power_of_2(mv),
         K_MANT=k_mant, K_BIAS=k_bias, V_MANT=v_mant, V_BIAS=v_bias,
-        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
-        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=triton_decode.BLOCK_T,
+        HAS_MASK=mask is not None, **triton_decode.bias_flags(bias), HAS_LIVE=live is not None,
+        SOFTCAP=bool(softcap), BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=triton_decode.BLOCK_T,
         **_dot(kf.dtype), num_warps=triton_decode.NUM_WARPS, num_stages=triton_decode.NUM_STAGES,
     )
     out = torch.empty(b, hq, d, dtype=torch.float32, device=dev)

@@ -124,7 +124,10 @@ class Codec:
         h = k_fp.shape[1]
         q_fp = q.reshape(b, h, hq // h, d).float()
         q_enc, offset = self.keys.mapped_query(q_fp, d, side_of(layer, "k"))
-        bias = None if offset is None else offset.expand(b, h, hq // h, 1).reshape(b, hq)
+        bias = None  # one per query head [B, Hq], or per query head and encoded token [B, Hq, TE] (a turned centre)
+        if offset is not None:
+            bias = offset.float().expand(b, h, hq // h, offset.shape[-1]).reshape(b, hq, -1)
+            bias = bias[..., 0] if offset.shape[-1] == 1 else bias
         codes = {n: t.flatten(2, 3) for n, t in encoded.items()}  # [B, H, NC·rows per chunk, ...]
         kr, vr = self.keys.reader, self.values.reader
         keys, values = self.keys.transforms[kr], self.values.transforms[vr]
@@ -251,9 +254,6 @@ class Codec:
             return None, "the pipeline predicts across layers or selects chunks"
         if not (self.keys.scores_stored and self.values.sums_stored):
             return None, "decode attention rebuilds its keys or values"
-        turned = [t for t in self.keys.transforms[: self.keys.reader] if t.offset_per_token]
-        if turned:
-            return None, f"{turned[0]!r} adds a score offset per token (its position), which no kernel reads yet"
         if any(chain.dims(head_dim)[chain.reader] != head_dim for chain in (self.keys, self.values)):
             return None, "a transform before a quantizer changes the feature size, which no kernel reads"
         k, v = self.keys.transforms[self.keys.reader], self.values.transforms[self.values.reader]
