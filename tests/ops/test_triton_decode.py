@@ -154,6 +154,20 @@ def test_many_splits_combine(masked):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
+def test_a_bias_of_another_shape_is_refused():
+    """The kernels index a bias by [B, Hq] or [B, Hq, TE] alone: a bias over other tokens (here one token short) is
+    refused, naming the shapes it may have, instead of read out of its bounds."""
+    c = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, heads=1, ratio=4, chunks=2, fp=3, live=2,
+             pad=0, window=None, softcap=0.0, dtype=torch.float32, seed=3)
+    pipe, s, q, kf, vf, mask, live = _inputs(c)
+    q = q.reshape(1, 4, 64)
+    bias = _bias(c, q, 2 * 32, per_token=True)[..., 1:]
+    args = (q, q, s["k.out"], s["k.0.scale"], s["k.0.zero"], s["v.out"], s["v.0.scale"], s["v.0.zero"], kf, vf,
+            mask, bias, live, 0.0, 2, 2)
+    with pytest.raises(ValueError, match=r"\[B, Hq, TE\] = \[1, 4, 64\]"):
+        triton_decode.kivi_decode(*args)
+
+
 @st.composite
 def grid_cases(draw):
     """A frontier-like pipeline (optionally centred by a centre turned to each position, optionally balanced HIGGS

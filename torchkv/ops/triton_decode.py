@@ -309,9 +309,12 @@ def _groups(gk: int) -> int:
     return BLOCK_T // gk if BLOCK_T % gk == 0 else 0
 
 
-def bias_flags(bias: torch.Tensor | None) -> dict:
+def bias_flags(bias: torch.Tensor | None, b: int, hq: int, te: int) -> dict:
     """The kernels' flags for a score bias: one per query head `[B, Hq]`, or per query head and encoded token
-    `[B, Hq, TE]`."""
+    `[B, Hq, TE]`. Any other shape is refused: the kernels index the bias by those extents alone."""
+    if bias is not None and tuple(bias.shape) not in ((b, hq), (b, hq, te)):
+        raise ValueError(f"a score bias must be [B, Hq] = [{b}, {hq}] or [B, Hq, TE] = [{b}, {hq}, {te}] (one per "
+                         f"encoded token), not {list(bias.shape)}")
     return {"HEAD_BIAS": bias is not None and bias.dim() == 2, "TOKEN_BIAS": bias is not None and bias.dim() == 3}
 
 
@@ -369,7 +372,7 @@ def kivi_decode(
         per, nsplit, 1 if mask is None else mask.shape[0], te + f, float(softcap),
         G=g, D=d, GK=te // ks.shape[2], GV=d // vs.shape[-1], BITS_K=bits_k, BITS_V=bits_v,
         MK_PAD=triton.next_power_of_2(mk), MV_PAD=triton.next_power_of_2(mv),
-        HAS_MASK=mask is not None, **bias_flags(bias), HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
+        HAS_MASK=mask is not None, **bias_flags(bias, b, hq, te), HAS_LIVE=live is not None, SOFTCAP=bool(softcap),
         BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=BLOCK_T, GROUPS=_groups(te // ks.shape[2]),
         **_dot(kf.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,

@@ -204,7 +204,7 @@ def grid_decode(
         G=g, D=d, DG=dg, K_PAD=triton.next_power_of_2(k), CODE_BITS=code_bits, BITS_V=bits_v,
         MV_PAD=triton.next_power_of_2(mv),
         K_MANT=k_mant, K_BIAS=k_bias, V_MANT=v_mant, V_BIAS=v_bias,
-        HAS_MASK=mask is not None, **triton_decode.bias_flags(bias), HAS_LIVE=live is not None,
+        HAS_MASK=mask is not None, **triton_decode.bias_flags(bias, b, hq, te), HAS_LIVE=live is not None,
         SOFTCAP=bool(softcap), BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=triton_decode.BLOCK_T,
         **_dot(kf.dtype), num_warps=triton_decode.NUM_WARPS, num_stages=triton_decode.NUM_STAGES,
     )
