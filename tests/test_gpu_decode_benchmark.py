@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchkv
-from torchkv.models import arch
+from torchkv.models import arch, cache_argument
 from torchkv.ops import triton_decode
 from torchkv.testing import load_script, tiny_model
 
@@ -118,6 +118,28 @@ def test_a_tuned_folder_is_placed_on_a_shape_by_relative_depth_and_head_index_an
     with torchkv.patched(model, pipe):
         out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 204)
+
+
+@torch.no_grad()
+def test_the_centred_2_1_bit_folder_decodes_on_fixed_buffers_on_a_shape():
+    """`--tuned` with the ≤ 2.1-bit recipe (keys centred by a turned centre in some heads) placed on a Llama shape:
+    its cache takes fixed-capacity buffers, so `compiled:tuned` times the whole step, and it decodes there what the
+    growing cache decodes."""
+    folder = gpu_decode.TUNED_FOLDER.parent / "frontier-2bit@2.1_mixed_per_head_far_either_centre"
+    model = tiny_model("llama", heads=8, kv_heads=8, layers=16, head_dim=32)
+    pipe = gpu_decode.on_shape(folder, model)
+    assert any(pipe.for_layer(i).codec.attention_rope == "chunks" for i in range(16))
+    pipe.compile = False
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torchkv.patched(model, pipe):
+        growing = model.generate(ids, max_new_tokens=40, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+        cache = torchkv.new_cache(model, max_cache_len=256)
+        static = model.generate(ids, max_new_tokens=40, do_sample=False, output_scores=True,
+                                return_dict_in_generate=True, **cache_argument(model, cache))
+    assert cache.is_compileable and all(layer.frozen for layer in cache.layers)
+    assert cache.layers[0].held.n_encoded == 3 * 32  # 2 chunks from the prompt, 1 flushed during decode
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(growing.scores), rtol=1e-4, atol=1e-4)
 
 
 def test_a_tuned_row_without_a_tuned_folder_is_refused_before_measuring(tmp_path):

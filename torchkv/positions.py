@@ -11,6 +11,14 @@ from torchkv.encoded import appended, owned
 RopeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def step_tables(rope: RopeFn, chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) `[1, chunk, R]` float32 of positions 0..chunk−1 over the table's value at 0: the steps within a chunk
+    of `ops.rope.turned_dot_by_chunk`, without the model's attention scaling (which the anchors' tables carry)."""
+    cos, sin = rope(torch.arange(chunk, device=device)[None])
+    scale = cos[:, :1].float()
+    return cos.float() / scale, sin.float() / scale
+
+
 class SharedRope:
     """A model's rotary embedding as the stores of one cache's layers that use it call it.
 
@@ -69,9 +77,7 @@ class SharedRope:
         anchor_cos, anchor_sin = self._kept(ids, (start, end, chunk), anchored)
         key = (chunk, ids.device)
         if key not in self._steps:
-            cos, sin = self.rope(torch.arange(chunk, device=ids.device)[None])
-            scale = cos[:, :1].float()
-            self._steps[key] = (cos.float() / scale, sin.float() / scale)
+            self._steps[key] = step_tables(self.rope, chunk, ids.device)
         step_cos, step_sin = self._steps[key]
         return {"anchor_cos": anchor_cos, "anchor_sin": anchor_sin, "step_cos": step_cos, "step_sin": step_sin}
 

@@ -10,12 +10,18 @@ on a count in Python (on the CPU that encoding is a `torch.cond` inside the grap
 Each buffer has one spare slot at its end (window: one token, encoded: one chunk) that takes the writes a step
 does not keep (the new token while it is a sink; the chunk encoded when the window is not full), so that a
 write never depends on a branch. Multi-token steps (prompts) run through a `KVStore` (`thaw`, then `freeze`).
+
+A pipeline whose keys are coded around a centre turned to each position (`predict.rotary_center`) keeps the position
+id of every sink and window token, and one per encoded chunk: its anchor, the first position of a chunk whose
+positions run on (`SharedRope.chunk_tables`). A flush encodes the chunk at the positions its anchor gives, and decode
+attention scores it from the anchors' tables, so that encoding and scoring turn the centre the same way.
 """
 
 import torch
 
 from torchkv._compat import materialized
 from torchkv.pipeline import KVPipeline
+from torchkv.positions import RopeFn, SharedRope, step_tables
 from torchkv.store import KVStore
 
 
@@ -30,8 +36,8 @@ def static_refusal(pipeline: KVPipeline) -> str | None:
         return "it predicts each layer from the previous layer's reconstruction of the whole history"
     if "x" in pipeline.requires:
         return "it caches the layer input X and rebuilds keys and values from it"
-    if {"cos", "sin"} & pipeline.requires:
-        return "it reads each held token's rotary position (pre-RoPE keys, or a key centre turned to it)"
+    if pipeline.codec.attention_rope == "tokens":
+        return "its decode attention rebuilds each held key at its rotary position (pre-RoPE keys)"
     return None
 
 
@@ -55,12 +61,21 @@ class StaticKVStore:
     Args:
         pipeline: the layer's pipeline (`KVPipeline.for_layer`); `static_refusal` must be None.
         capacity: the most tokens the layer will hold (sinks, encoded and window together).
+        layers_after: layers of the cache after this one on its device (the capacity check).
+        rope: the model's rotary embedding, for pipelines whose attention reads positions by chunk.
     """
 
-    def __init__(self, pipeline: KVPipeline, capacity: int, layers_after: int = 0):
+    def __init__(self, pipeline: KVPipeline, capacity: int, layers_after: int = 0,
+                 rope: RopeFn | SharedRope | None = None):
         reason = static_refusal(pipeline)
         if reason is not None:
             raise ValueError(f"pipeline '{pipeline.name}' cannot use fixed-shape buffers: {reason}")
+        #: positions are kept (sinks and window per token, encoded chunks by anchor) and cos/sin computed from them
+        self.reads_positions = pipeline.codec.attention_rope == "chunks"
+        if self.reads_positions and rope is None:
+            raise ValueError(f"pipeline '{pipeline.name}' turns its key centre to each position; its fixed-shape "
+                             "buffers need the model's rope function, as torchkv.patch gives it")
+        self.rope = rope.rope if isinstance(rope, SharedRope) else rope
         self.pipeline, self.capacity = pipeline, capacity
         #: layers of the cache after this one, whose buffers are allocated after this one's (the capacity check)
         self.layers_after = layers_after
@@ -84,7 +99,9 @@ class StaticKVStore:
         pipe, c = self.pipeline, self.chunk
         b, h, d = batch, store.kv_heads, store.head_dim
         probe = torch.zeros(b, h, c, d, dtype=store.dtype, device=device)
-        state = pipe.encode_chunk(probe, probe, prepared=store.prepared, params=store.params)
+        rope = self._rope_from(torch.zeros(b, 1, dtype=torch.long, device=device)) if self.reads_positions else ()
+        state = pipe.encode_chunk(probe, probe, prepared=store.prepared, params=store.params,
+                                  inputs=dict(zip(("cos", "sin"), rope)))
         self._check_fits(sum(t.numel() * t.element_size() for t in state.values()),
                          2 * b * h * (self.sinks + self.window + 1) * d * probe.element_size(), b, device)
         buffers = {}
@@ -97,6 +114,9 @@ class StaticKVStore:
             "res_k": torch.zeros(b, h, self.window + 1, d, **kv), "res_v": torch.zeros(b, h, self.window + 1, d, **kv),
             "res_valid": torch.zeros(b, self.window + 1, dtype=torch.bool, device=device),
         })
+        if self.reads_positions:  # position ids: of each sink and window token, and each chunk slot's anchor
+            for name, n in (("sink_pos", self.sinks), ("res_pos", self.window + 1), ("anchors", self.chunks + 1)):
+                buffers[name] = torch.zeros(b, n, dtype=torch.long, device=device)
         for name in ("n_sinks", "n_chunks", "n_residual", "length"):
             buffers[name] = torch.zeros((), dtype=torch.long, device=device)
         if not torch.compiler.is_compiling():  # fixed addresses: in-place updates keep CUDA graphs valid
@@ -136,6 +156,8 @@ class StaticKVStore:
             buf["sink_k"][:, :, :s], buf["sink_v"][:, :, :s] = store.sink_k, store.sink_v
         if n_res:
             buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res], buf["res_valid"][:, :n_res], _ = store.recent.held()
+        if self.reads_positions:
+            self._freeze_positions(store)
         for name, n in (("n_sinks", s), ("n_chunks", n_enc // self.chunk), ("n_residual", n_res), ("length", store.length)):
             buf[name].fill_(n)
         self.prepared, self.params, self.dtype = store.prepared, store.params, store.dtype
@@ -157,11 +179,31 @@ class StaticKVStore:
                                 chunks * self.chunk)
         store.recent.hold(buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res], buf["res_valid"][:, :n_res], None)
         store.length = length
+        if self.reads_positions:
+            encoded = buf["anchors"][:, :chunks, None] + torch.arange(self.chunk, device=buf["anchors"].device)
+            store.positions.ids = torch.cat([buf["sink_pos"][:, :s], encoded.flatten(1), buf["res_pos"][:, :n_res]], 1)
+            store.positions.by_chunk = True
+
+    def _freeze_positions(self, store: KVStore) -> None:
+        """Copy the position ids of `store`'s sinks and window, and its chunks' anchors (`SharedRope.chunk_tables`),
+        into the buffers; a clear error where its encoded chunks' positions do not run on from their anchors."""
+        s, c, n_enc = store.n_sinks, self.chunk, store.n_encoded
+        if not store.positions.by_chunk:
+            raise ValueError(
+                f"pipeline '{self.pipeline.name}': the position ids of the tokens encoded in layer {store.layer} do not "
+                f"run on by one within each chunk of {c} tokens, and fixed-capacity buffers (max_cache_len) keep one "
+                "position per chunk for its turned key centre; pass consecutive position_ids, or decode without "
+                "max_cache_len")
+        ids, buf = store.positions.ids, self.buffers
+        buf["sink_pos"][:, :s] = ids[:, :s]
+        buf["anchors"][:, : n_enc // c] = ids[:, s + c - 1 : s + n_enc : c] - (c - 1)
+        buf["res_pos"][:, : store.n_residual] = ids[:, s + n_enc : store.length]
 
     # -- one decode step (pure tensor code) ---------------------------------------------------------------
 
-    def _place(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> None:
-        """Write the new token `[B, H, 1, D]` to the next sink slot while sinks are missing, else to the window."""
+    def _place(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, position: torch.Tensor | None) -> None:
+        """Write the new token `[B, H, 1, D]` (and its position id `[B, 1]` where kept) to the next sink slot while
+        sinks are missing, else to the window."""
         buf, s = self.buffers, self.sinks
         slot = buf["n_residual"].clone()  # the count moves on below
         if s:
@@ -169,6 +211,8 @@ class StaticKVStore:
             put = (torch.arange(s, device=k.device) == buf["n_sinks"]) & to_sink  # [S]
             for side, x in (("sink_k", k), ("sink_v", v)):
                 buf[side].copy_(torch.where(put[:, None], x, buf[side]))
+            if position is not None:
+                buf["sink_pos"].copy_(torch.where(put, position, buf["sink_pos"]))
             slot = torch.where(to_sink, self.window, slot)  # the spare slot
             buf["n_sinks"].add_(to_sink.long())
             buf["n_residual"].add_(1 - to_sink.long())
@@ -177,6 +221,8 @@ class StaticKVStore:
         buf["res_k"].index_copy_(2, slot.view(1), k)
         buf["res_v"].index_copy_(2, slot.view(1), v)
         buf["res_valid"].index_copy_(1, slot.view(1), valid)
+        if position is not None:
+            buf["res_pos"].index_copy_(1, slot.view(1), position)
 
     def _live(self, padding: torch.Tensor | None, rule, position: torch.Tensor) -> torch.Tensor:
         """[B or 1, 1, 1, N] bool: the slots the newest query attends to, in attention order (encoded, sinks, window).
@@ -201,11 +247,16 @@ class StaticKVStore:
 
     def _encode_window(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, *operands: torch.Tensor):
         """The window's oldest chunk, encoded: one tensor per name of `self.rows` (`valid` as uint8: a bool operand
-        of `torch.cond` became a constant of the branch graph, which Inductor then failed to lower)."""
+        of `torch.cond` became a constant of the branch graph, which Inductor then failed to lower). The operands
+        after the spare slots: the chunk's cos/sin where positions are kept, then the prepared and fitted tables."""
         tables = operands[len(self.rows):]
+        inputs = {}
+        if self.reads_positions:
+            (cos, sin), tables = tables[:2], tables[2:]
+            inputs = {"cos": cos, "sin": sin}
         prepared = dict(zip(self.prepared, tables[: len(self.prepared)]))
         params = dict(zip(self.params, tables[len(self.prepared):]))
-        state = self.pipeline.encode_chunk(k, v, prepared=prepared, params=params, valid=valid.bool())
+        state = self.pipeline.encode_chunk(k, v, prepared=prepared, params=params, valid=valid.bool(), inputs=inputs)
         return tuple(state[name] for name in self.rows)
 
     def _no_chunk(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, *operands: torch.Tensor):
@@ -230,7 +281,11 @@ class StaticKVStore:
             full = None
         window = (buf["res_k"][:, :, :c], buf["res_v"][:, :, :c], buf["res_valid"][:, :c].to(torch.uint8))
         spares = (buf[f"encoded.{n}"][:, :, self.chunks * rows:] for n, rows in self.rows.items())
-        operands = (*window, *spares, *self.prepared.values(), *self.params.values())
+        rope, anchor = (), None
+        if self.reads_positions:  # the chunk at the positions its anchor gives (its own, where they run on)
+            anchor = buf["res_pos"][:, c - 1 : c] - (c - 1)  # [B, 1]
+            rope = self._rope_from(anchor)
+        operands = (*window, *spares, *rope, *self.prepared.values(), *self.params.values())
         if full is not None and full.device.type == "cpu":
             encoded = torch.cond(full, self._encode_window, self._no_chunk, operands)
         else:
@@ -240,7 +295,11 @@ class StaticKVStore:
         for (name, rows), t in zip(self.rows.items(), encoded):
             index = target * rows + torch.arange(rows, device=t.device)
             _bits(buf[f"encoded.{name}"]).index_copy_(2, index, _bits(t))
-        for name, axis in (("res_k", 2), ("res_v", 2), ("res_valid", 1)):
+        shifted = (("res_k", 2), ("res_v", 2), ("res_valid", 1))
+        if anchor is not None:
+            buf["anchors"].index_copy_(1, target.view(1), anchor)
+            shifted += (("res_pos", 1),)
+        for name, axis in shifted:
             t = buf[name]
             kept, old = t.narrow(axis, c, w - c), t.narrow(axis, 0, w - c)
             # the kept tokens copied out first: where the two ranges overlap (a window longer than two chunks),
@@ -259,6 +318,7 @@ class StaticKVStore:
         rule,
         scaling: float,
         softcap: float | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend one new token over the held ones and itself, then keep it.
 
@@ -266,6 +326,8 @@ class StaticKVStore:
             query: [B, Hq, 1, D]. k, v: [B, H, 1, D], the new token.
             padding: [B, ≥ capacity] bool over token indices (False at padding), or None.
             rule: the model's mask function `(b, h, q_idx, kv_idx) -> bool`, or None for the plain causal rule.
+            positions: [B or 1, 1] the new token's position id (default: its index in the sequence); kept where the
+                pipeline reads positions.
 
         Returns:
             [B, Hq, 1, D] in the query's dtype.
@@ -274,20 +336,38 @@ class StaticKVStore:
         position = buf["length"].clone()
         valid = (torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device) if padding is None
                  else padding.index_select(1, position.view(1)))
-        self._place(k, v, valid)
+        held = None
+        if self.reads_positions:
+            given = position.view(1, 1) if positions is None else positions[:, -1:]
+            held = given.to(device=k.device, dtype=torch.long).expand(k.shape[0], 1)
+        self._place(k, v, valid, held)
         mask = materialized(self._live(padding, rule, position))
         encoded = {n: buf[f"encoded.{n}"].unflatten(2, (self.chunks + 1, rows)) for n, rows in self.rows.items()}
         k_fp = torch.cat([buf["sink_k"], buf["res_k"][:, :, : self.window]], 2)
         v_fp = torch.cat([buf["sink_v"], buf["res_v"][:, :, : self.window]], 2)
         out, _, _ = self.pipeline.attend_decode(
             materialized(query), encoded, k_fp, v_fp, mask, scaling, softcap, prepared=self.prepared, params=self.params,
-            live=buf["n_chunks"] * self.chunk,
+            inputs=self._chunk_tables(), live=buf["n_chunks"] * self.chunk,
         )
         buf["length"].add_(1)
         if not self.host_flush:
             self._flush()
             self._held = None
         return out
+
+    def _rope_from(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) `[B, chunk, R]` of the positions `anchor [B, 1]` + 0..chunk−1."""
+        return self.rope(anchor + torch.arange(self.chunk, device=anchor.device))
+
+    def _chunk_tables(self) -> dict[str, torch.Tensor]:
+        """The rotary tables of every chunk slot by its anchor, as `SharedRope.chunk_tables` gives a `KVStore`'s
+        (`[B, chunks + 1, R]` and `[1, chunk, R]`); empty where the pipeline reads no position."""
+        if not self.reads_positions:
+            return {}
+        anchors = self.buffers["anchors"]
+        anchor_cos, anchor_sin = self.rope(anchors)
+        step_cos, step_sin = step_tables(self.rope, self.chunk, anchors.device)
+        return {"anchor_cos": anchor_cos, "anchor_sin": anchor_sin, "step_cos": step_cos, "step_sin": step_sin}
 
     def flush_if_full(self) -> None:
         """After a decode step run with `host_flush`: count its token on the host and, on the steps that fill the

@@ -58,12 +58,13 @@ def test_static_buffers_generate_like_the_model(arch):
     assert torch.equal(out.sequences, expected)
 
 
-def _decode(model, cache, ids, steps, forward=None, start=None):
-    """Greedy steps after a prompt; returns the logits of every step `[steps, B, V]`."""
+def _decode(model, cache, ids, steps, forward=None, start=0):
+    """Greedy steps after a prompt at positions from `start`; returns the logits of every step `[steps, B, V]`."""
     forward = forward or model
     passed = cache_argument(model, cache)
-    logits, out = model(input_ids=ids, **passed, use_cache=True).logits, []
-    position = ids.shape[1]
+    prompt_positions = torch.arange(start, start + ids.shape[1])[None]
+    logits, out = model(input_ids=ids, position_ids=prompt_positions, **passed, use_cache=True).logits, []
+    position = start + ids.shape[1]
     for _ in range(steps):
         token = logits[:, -1:].argmax(-1)
         logits = forward(input_ids=token, position_ids=torch.tensor([[position]]), **passed, use_cache=True).logits
@@ -85,6 +86,54 @@ def test_static_decode_matches_growing_store_on_smollm2(smollm2, preset):
         growing = _decode(model, torchkv.new_cache(model), ids, 40)
         static = _decode(model, torchkv.new_cache(model, max_cache_len=160), ids, 40)
     assert (static - growing).abs().max() < 1e-3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("gemma3_text", {}),
+                                             ("phi3", {"partial_rotary_factor": 0.5})])
+def test_a_turned_key_centre_decodes_on_fixed_buffers_as_on_growing_stores(arch, overrides):
+    """frontier-2bit with `rotary_center` (8-token chunks) on fixed-capacity buffers: a left-padded batch in row groups
+    (rows whose pads differ by whole chunks share one, so a row's position ids are not its token indices), chunks
+    encoded during decode at the model's position ids (sliding-window layers, partial rotary), generates what the
+    growing stores generate, with their scores."""
+    model = tiny_model(arch, **overrides)
+    ids, mask = _prompt(batch=3)
+    mask[2, :40] = 0
+    pipe = torchkv.KVPipeline.from_preset("frontier-2bit", rotary_center=True, residual=8, chunk=8, sinks=0,
+                                          compile=False)
+    with torchkv.patched(model, pipe):
+        growing = _generate(model, ids, mask, output_scores=True)
+        static = _generate(model, ids, mask, output_scores=True, cache=torchkv.new_cache(model, max_cache_len=130))
+    stores = static.past_key_values.layers[0].frozen_stores()
+    assert len(stores) == 2 and int(stores[1].buffers["n_chunks"]) * 8 > 80
+    assert torch.equal(static.sequences, growing.sequences)
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(growing.scores), rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_turned_key_centre_thaws_for_a_multi_token_step_and_freezes_again():
+    """Decode steps, then a 6-token step (the buffers' tokens and positions back in a growing store), then more
+    decode steps, with sinks and position ids that start at 100: the logits of the growing store's."""
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0, length=45)
+    more = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    pipe = torchkv.KVPipeline.from_preset("frontier-2bit", rotary_center=True, residual=8, chunk=8, sinks=2,
+                                          compile=False)
+    logits, encoded = [], []
+    with torchkv.patched(model, pipe):
+        for capacity in (None, 120):
+            cache = torchkv.new_cache(model, max_cache_len=capacity)
+            first = _decode(model, cache, ids, 20, start=100)
+            passed = cache_argument(model, cache)
+            out = [model(input_ids=more, position_ids=torch.arange(165, 171)[None], **passed, use_cache=True).logits[0]]
+            for position in range(171, 191):
+                token = out[-1][-1:].argmax(-1)[None]
+                out.append(model(input_ids=token, position_ids=torch.tensor([[position]]), **passed,
+                                 use_cache=True).logits[0])
+            logits.append(torch.cat([first.flatten(0, 1), *out]))
+            encoded.append(cache.layers[0].held.n_encoded)
+    assert cache.layers[0].frozen and encoded[1] == encoded[0] > 71
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
 @torch.no_grad()
@@ -121,7 +170,7 @@ def test_an_eager_forward_after_a_compiled_step_returns_its_hidden_states():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("preset", ["kivi-4bit", "frontier-2bit"])
+@pytest.mark.parametrize("preset", ["kivi-4bit", "frontier-2bit", "frontier-2bit:rotary_center=True"])
 def test_inductor_whole_step_equals_eager(preset):  # kivi-4bit's graph is the one the benchmark row test below reuses
     model = tiny_model("llama")
     ids, _ = _prompt(batch=1, pad=0)

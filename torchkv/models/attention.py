@@ -307,7 +307,8 @@ def torchkv_attention(
         return out.transpose(1, 2).contiguous(), None
     layer = key
     if query.shape[2] == 1 and layer.frozen_stores():  # fixed-shape buffers: one graph for every step
-        return _decode_frozen(layer, query, attention_mask, scaling, softcap).transpose(1, 2).contiguous(), None
+        out = _decode_frozen(layer, query, attention_mask, scaling, softcap, kwargs.get("position_ids"))
+        return out.transpose(1, 2).contiguous(), None
     if not torch.compiler.is_compiling():
         attention_mask.check_storable(query.shape[2], fresh=not layer.get_seq_length() - layer.pending[0].shape[2])
     layer.thaw()
@@ -323,20 +324,24 @@ def torchkv_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _decode_frozen(layer, query, attention_mask: MaskSpec, scaling: float, softcap: float | None) -> torch.Tensor:
+def _decode_frozen(layer, query, attention_mask: MaskSpec, scaling: float, softcap: float | None,
+                   position_ids: torch.Tensor | None) -> torch.Tensor:
     """One decode step on fixed-capacity buffers: the layer's own, or each row group's over its rows, with token
     indices counted after the group's `strip` (no Python count is read, so one graph serves every step):
-    `[B, Hq, 1, D]`."""
+    `[B, Hq, 1, D]`. `position_ids` `[B or 1, 1]`: the new token's, kept where the pipeline reads positions."""
     k_new, v_new, _ = layer.take_staged()
     padding, rule = attention_mask.padding, attention_mask.extra_rule
     if layer.row_groups is None:
-        return layer.static.decode_step(query, k_new, v_new, padding, rule, scaling, softcap)
+        return layer.static.decode_step(query, k_new, v_new, padding, rule, scaling, softcap, position_ids)
     out = torch.zeros_like(query)
     for group in layer.row_groups:
         rows = group.rows.to(query.device)
         held = None if padding is None else padding[rows.to(padding.device), group.strip:]
+        positions = position_ids
+        if position_ids is not None and position_ids.shape[0] > 1:
+            positions = position_ids[rows.to(position_ids.device)]
         out[rows] = group.layer.static.decode_step(query[rows], k_new[rows], v_new[rows], held, rule, scaling,
-                                                   softcap)
+                                                   softcap, positions)
     return out
 
 

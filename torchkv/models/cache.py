@@ -62,7 +62,7 @@ class TorchKVLayer(CacheLayerMixin):
         self.group_cross_layers = {} if group_cross_layers is None else group_cross_layers
         #: fixed-capacity buffers, which hold the tokens while `frozen` (decode steps), or None
         self.static = None if max_cache_len is None else StaticKVStore(self.store.pipeline, max_cache_len,
-                                                                        layers_after)
+                                                                        layers_after, rope)
         self.is_compileable = self.static is not None
         self.frozen = False
         self.is_sliding = is_sliding
