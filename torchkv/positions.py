@@ -11,6 +11,17 @@ from torchkv.encoded import appended, owned
 RopeFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def chunk_anchors(ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`[B, NC]`: each chunk's anchor, the first position of `ids [B, NC·chunk]` taken as its last token's less
+    `chunk − 1` (left padding comes first)."""
+    return ids[:, chunk - 1 :: chunk] - (chunk - 1)
+
+
+def run_from(anchors: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`[B, NC, chunk]`: the positions of chunks whose positions run on by one from `anchors [B, NC]`."""
+    return anchors[..., None] + torch.arange(chunk, device=anchors.device)
+
+
 def step_tables(rope: RopeFn, chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) `[1, chunk, R]` float32 of positions 0..chunk−1 over the table's value at 0: the steps within a chunk
     of `ops.rope.turned_dot_by_chunk`, without the model's attention scaling (which the anchors' tables carry)."""
@@ -72,7 +83,7 @@ class SharedRope:
         padding comes first), and "step_cos"/"step_sin" `[1, chunk, R]` of positions 0..chunk−1 over the table's
         value at 0 (the attention scaling, which the anchors carry). Exact where `runs_by_chunk`."""
         def anchored():
-            return self.rope(ids[:, start + chunk - 1 : end : chunk] - (chunk - 1))
+            return self.rope(chunk_anchors(ids[:, start:end], chunk))
 
         anchor_cos, anchor_sin = self._kept(ids, (start, end, chunk), anchored)
         key = (chunk, ids.device)
@@ -88,7 +99,7 @@ class SharedRope:
         if self._checked is not None and self._checked[0] is ids and self._checked[1] == (start, end, chunk):
             return self._checked[2]
         held = ids[:, start:end].unflatten(1, (-1, chunk))  # [B, NC, C]
-        placed = held[..., -1:] - (chunk - 1) + torch.arange(chunk, device=ids.device)
+        placed = run_from(chunk_anchors(ids[:, start:end], chunk), chunk)
         runs = bool(((held == placed) | ~valid.unflatten(1, (-1, chunk))).all())
         self._checked = (ids, (start, end, chunk), runs)
         return runs

@@ -21,7 +21,7 @@ import torch
 
 from torchkv._compat import materialized
 from torchkv.pipeline import KVPipeline
-from torchkv.positions import RopeFn, SharedRope, step_tables
+from torchkv.positions import RopeFn, SharedRope, chunk_anchors, run_from, step_tables
 from torchkv.store import KVStore
 
 
@@ -180,8 +180,8 @@ class StaticKVStore:
         store.recent.hold(buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res], buf["res_valid"][:, :n_res], None)
         store.length = length
         if self.reads_positions:
-            encoded = buf["anchors"][:, :chunks, None] + torch.arange(self.chunk, device=buf["anchors"].device)
-            store.positions.ids = torch.cat([buf["sink_pos"][:, :s], encoded.flatten(1), buf["res_pos"][:, :n_res]], 1)
+            encoded = run_from(buf["anchors"][:, :chunks], self.chunk).flatten(1)
+            store.positions.ids = torch.cat([buf["sink_pos"][:, :s], encoded, buf["res_pos"][:, :n_res]], 1)
             store.positions.by_chunk = True
 
     def _freeze_positions(self, store: KVStore) -> None:
@@ -196,7 +196,7 @@ class StaticKVStore:
                 "max_cache_len")
         ids, buf = store.positions.ids, self.buffers
         buf["sink_pos"][:, :s] = ids[:, :s]
-        buf["anchors"][:, : n_enc // c] = ids[:, s + c - 1 : s + n_enc : c] - (c - 1)
+        buf["anchors"][:, : n_enc // c] = chunk_anchors(ids[:, s : s + n_enc], c)
         buf["res_pos"][:, : store.n_residual] = ids[:, s + n_enc : store.length]
 
     # -- one decode step (pure tensor code) ---------------------------------------------------------------
@@ -283,7 +283,7 @@ class StaticKVStore:
         spares = (buf[f"encoded.{n}"][:, :, self.chunks * rows:] for n, rows in self.rows.items())
         rope, anchor = (), None
         if self.reads_positions:  # the chunk at the positions its anchor gives (its own, where they run on)
-            anchor = buf["res_pos"][:, c - 1 : c] - (c - 1)  # [B, 1]
+            anchor = chunk_anchors(buf["res_pos"][:, :c], c)  # [B, 1]
             rope = self._rope_from(anchor)
         operands = (*window, *spares, *rope, *self.prepared.values(), *self.params.values())
         if full is not None and full.device.type == "cpu":
@@ -357,7 +357,7 @@ class StaticKVStore:
 
     def _rope_from(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) `[B, chunk, R]` of the positions `anchor [B, 1]` + 0..chunk−1."""
-        return self.rope(anchor + torch.arange(self.chunk, device=anchor.device))
+        return self.rope(run_from(anchor, self.chunk).flatten(1))
 
     def _chunk_tables(self) -> dict[str, torch.Tensor]:
         """The rotary tables of every chunk slot by its anchor, as `SharedRope.chunk_tables` gives a `KVStore`'s
