@@ -75,7 +75,7 @@ def _decode(model, cache, ids, steps, forward=None, start=0):
 
 @torch.no_grad()
 # squat-2bit (make test-slow) stores kivi-2bit's layout, with per-sequence state as frontier-2bit's balance scales are
-@pytest.mark.parametrize("preset", ["kivi-2bit", "frontier-2bit",
+@pytest.mark.parametrize("preset", ["kivi-2bit", "frontier-2bit", "frontier-2bit:rotary_center=True",
                                     pytest.param("squat-2bit", marks=pytest.mark.slow)])
 def test_static_decode_matches_growing_store_on_smollm2(smollm2, preset):
     """The same tokens in the same encoded form: the logits of fixed-buffer decode steps equal the growing store's."""
