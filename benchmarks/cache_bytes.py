@@ -1,10 +1,14 @@
-"""Where a compressed cache's bytes go: encoded codes and metadata, fitted parameters (predictors, bases),
-the full-precision window (its keys and values, and the layer inputs XQuant keeps until encoding), other.
+"""Where a cache's bytes go: encoded codes and metadata, fitted parameters (predictors, bases), the full-precision
+window (its keys and values, and the layer inputs XQuant keeps until encoding), sinks, other; and the total beside
+transformers' `DynamicCache` (the `dynamic` row).
 
-SmolLM2, one Wikipedia eval passage of `--tokens` tokens prefilled through each patched preset.
+One eval passage of `--tokens` tokens prefilled through each row, then one decode step, so that every cache holds what
+it holds while generating (transformers' sliding-window layers keep a view of the whole prompt until their first
+step; torchkv's drop the tokens their window passed).
 
     python benchmarks/cache_bytes.py --presets kivi-2bit,xquant-2bit,xquant-cl-2bit \\
         --out benchmarks/results/xquant/cache_bytes.json
+    python benchmarks/cache_bytes.py --model gemma3-270m --tokens 8192 --presets dynamic,kivi-2bit,frontier-2bit
 """
 
 import argparse
@@ -14,8 +18,10 @@ import torch
 
 import torchkv
 from torchkv.corpora import documents
-from torchkv.eval.rows import method
+from torchkv.eval.rows import cache_nbytes, method
 from torchkv.eval.runner import write_benchmark
+from torchkv.models import cache_argument
+from torchkv.models.loader import SMOLLM2
 
 KINDS = {"res_k": "window_kv", "res_v": "window_kv", "res_x": "window_x", "sink_k": "sinks", "sink_v": "sinks"}
 
@@ -35,30 +41,34 @@ def breakdown(model, ids: torch.Tensor, name: str) -> dict:
         row.pipeline.compile = False  # bytes only: no need to compile
     with row.active(model):
         cache = row.new_cache(model)
-        model(ids, **torchkv.models.cache_argument(model, cache), use_cache=True)
+        logits = model(ids, **cache_argument(model, cache), use_cache=True).logits
+        model(logits[:, -1:].argmax(-1), **cache_argument(model, cache), use_cache=True)
     bytes_by_kind = Counter()
-    for layer in cache.layers:
-        for tensor_name, t in layer.store.tensors().items():
+    stores = [store for layer in cache.layers for store in getattr(layer, "stores", lambda: [])()]
+    for store in stores:
+        for tensor_name, t in store.tensors().items():
             bytes_by_kind[kind(tensor_name)] += t.untyped_storage().nbytes()
-    return {"preset": name, "total_bytes": cache.nbytes(), "bytes": dict(bytes_by_kind),
-            "encoded_bits_per_value": cache.encoded_bits_per_value()}
+    return {"preset": name, "total_bytes": cache_nbytes(cache), "bytes": dict(bytes_by_kind),
+            "encoded_bits_per_value": cache.encoded_bits_per_value() if stores else None,
+            "tokens_held": [getattr(s, "length", None) for s in stores]}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=SMOLLM2)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--presets", default="kivi-2bit,xquant-2bit,xquant-cl-2bit")
     parser.add_argument("--out", default="benchmarks/results/cache_bytes.json")
     args = parser.parse_args(argv)
-    model, tokenizer = torchkv.load_model()
+    model, tokenizer = torchkv.load_model(args.model)
     ids = documents(tokenizer, args.tokens, 1)
     rows = [breakdown(model, ids, name) for name in args.presets.split(",")]
     kinds = sorted({k for r in rows for k in r["bytes"]})
-    print("| preset | total MiB | " + " | ".join(kinds) + " |")
+    print("| row | total MiB | " + " | ".join(kinds) + " |")
     for r in rows:
         print(f"| {r['preset']} | {r['total_bytes'] / 2**20:.1f} | "
               + " | ".join(f"{r['bytes'].get(k, 0) / 2**20:.1f}" for k in kinds) + " |")
-    write_benchmark(args.out, "cache_bytes", rows, tokens=args.tokens)
+    write_benchmark(args.out, "cache_bytes", rows, tokens=args.tokens, model=args.model)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchkv.ops.attention import attend_dense
 from torchkv.pipeline import KVPipeline
 from torchkv.store import KVStore
 from torchkv.testing import llama_rope
@@ -159,3 +160,78 @@ def test_turned_centre_attention_by_chunk_equals_every_tokens_tables(pads, monke
     gap = KVStore(pipe, rope=_llama_rope)
     gap.append(k[:, :, :prompt], v[:, :, :prompt], positions=torch.arange(prompt)[None] * 2, inputs=prompt_queries)
     assert not gap.positions.by_chunk and "cos" in gap.attention_inputs()
+
+
+def _decode(store, query, k, v, mask, valid):
+    """One decode step as the attention function takes it: over the encoded chunks when there are any, else over the
+    full-precision history."""
+    if store.n_encoded:
+        return store.decode_step(query, k, v, mask, 0.125, valid=valid)
+    keys, values = store.history()
+    out = attend_dense(query, torch.cat([keys, k], 2), torch.cat([values, v], 2), mask, 0.125, None)[0]
+    store.append(k, v, valid=valid)
+    return out
+
+
+def _sliding_rule(window: int):
+    """transformers' sliding-window rule over absolute indices: a query reads the keys after `q − window`."""
+    return lambda q, kv: (kv <= q) & (kv > q - window)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    prompt=st.integers(1, 100),
+    steps=st.integers(1, 50),
+    window=st.sampled_from([25, 40, 64]),
+    sinks=st.sampled_from([0, 3]),
+    preset=st.sampled_from(["kivi-2bit", "frontier-2bit"]),
+    pad=st.integers(0, 6),
+    seed=st.integers(0, 1000),
+)
+def test_a_sliding_window_store_drops_what_no_later_query_reads(prompt, steps, window, sinks, preset, pad, seed):
+    """A store given the layer's sliding window drops its sinks and then whole encoded chunks once every token of them
+    is out of reach of the next query, and decodes as a store that keeps every token under the same mask: outputs
+    within 1e-5, position ids of the tokens it holds equal, and it holds at most `window − 1` tokens besides one
+    chunk's or the sinks' worth that are already out of reach."""
+    g = torch.Generator().manual_seed(seed)
+    options = {"rotary_center": True, "chunk": 8} if preset == "frontier-2bit" else {"group": 8}
+    pipe = KVPipeline.from_preset(preset, residual=8, sinks=sinks, compile=False, **options)
+    total = prompt + steps
+    k = torch.randn(2, 2, total, 64, generator=g) + 2 * torch.randn(64, generator=g)
+    v = torch.randn(2, 2, total, 64, generator=g)
+    valid = torch.ones(2, total, dtype=torch.bool)
+    valid[1, : min(pad, prompt - 1)] = False
+    rope = lambda p: llama_rope(p, 64)  # noqa: E731
+    kept, dropping = KVStore(pipe, rope=rope), KVStore(pipe, rope=rope, sliding_window=window)
+    queries = {"queries": torch.randn(2, 4, prompt, 64, generator=g)}
+    for store in (kept, dropping):
+        store.append(k[:, :, :prompt], v[:, :, :prompt], valid=valid[:, :prompt], inputs=queries)
+    rule = _sliding_rule(window)
+    for at in range(prompt, total):
+        q = torch.randn(2, 4, 1, 64, generator=g)
+        mask = (rule(torch.tensor(at), torch.arange(at + 1)) & valid[:, : at + 1])[:, None, None]
+        new = (q, k[:, :, at : at + 1], v[:, :, at : at + 1])
+        expected = _decode(kept, *new, mask, valid[:, at : at + 1])
+        got = _decode(dropping, *new, mask[..., dropping.dropped :], valid[:, at : at + 1])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert dropping.n_seen == kept.length == at + 1
+        assert dropping.length <= window - 1 + max(pipe.chunk - 1, sinks)
+        if at + 1 - window >= sinks + pipe.chunk + pipe.residual + pipe.chunk:  # a chunk encoded and passed
+            assert dropping.dropped > 0 and dropping.n_sinks == 0
+    if preset == "frontier-2bit":
+        assert torch.equal(dropping.positions.ids, kept.positions.ids[:, dropping.dropped :])
+    assert dropping.nbytes() < kept.nbytes() or not dropping.dropped
+
+
+def test_a_sliding_window_store_refuses_a_crop_into_what_it_dropped():
+    """Removing the last tokens would let later queries reach tokens already dropped: refused with how many may go
+    (as transformers' sliding layers refuse), while a crop that stays within reach is exact."""
+    pipe = KVPipeline.from_preset("kivi-2bit", residual=8, group=8, compile=False)
+    store = KVStore(pipe, sliding_window=32)
+    k = torch.randn(1, 2, 100, 64)
+    _stream(store, k, k, [60, 40])
+    assert store.dropped == 64 and store.n_seen == 100
+    with pytest.raises(ValueError, match="sliding window of 32 tokens.*remove at most 5"):
+        store.crop(6)
+    store.crop(5)
+    assert store.n_seen == 95 and store.dropped == 64

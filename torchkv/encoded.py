@@ -55,6 +55,11 @@ class EncodedChunks:
             self.state = {n: owned(t[:, :, : t.shape[2] * tokens // self.n]) for n, t in self.state.items()}
         self.n = tokens
 
+    def drop_front(self, tokens: int) -> None:
+        """Forget the first `tokens` encoded tokens, a multiple of the chunk (their storage goes with them)."""
+        self.state = {n: owned(t[:, :, t.shape[2] * tokens // self.n :]) for n, t in self.state.items()}
+        self.n -= tokens
+
     def bits_per_value(self, kv_heads: int, head_dim: int) -> float:
         """Stored bits per encoded key or value, metadata included; NaN when nothing is encoded."""
         if not self.n:

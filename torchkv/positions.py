@@ -36,6 +36,7 @@ class SharedRope:
     The layers hold the same tokens at the same positions, so what each would compute alone is computed once a step:
     - `extended`: the position ids after a step's tokens, one tensor for every layer that held the same ids before and
       is given the same new positions (the model passes one `position_ids` tensor to every layer);
+    - `dropped`: the same after the first ids are dropped (the sliding-window layers drop the same tokens);
     - `tables`: the cos/sin of a range of those ids, the last `KEPT` ranges kept until `release` (the cache releases
       them after its last layer, so that an idle cache holds none);
     - `chunk_tables`: the same of a range's chunks, by each chunk's first position (`ops.rope.turned_dot_by_chunk`);
@@ -56,22 +57,30 @@ class SharedRope:
     def __init__(self, rope: RopeFn):
         self.rope = rope
         self._extended: tuple | None = None  # (ids before, positions given, (batch, tokens, device), ids after)
+        self._dropped: tuple | None = None  # (ids before, tokens dropped, ids after)
         self._tables: list[tuple] = []  # (ids, (start, end) or (start, end, chunk), tables), the newest last
         self._steps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, device) -> step tables
         self._checked: tuple | None = None  # (ids, (start, end, chunk), whether they run by chunk)
 
     def extended(self, ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, tokens: int,
-                 device: torch.device) -> torch.Tensor:
-        """`ids [B, held]` followed by `tokens` new ids: `positions [B or 1, T]`, or by default their index."""
+                 device: torch.device, dropped: int = 0) -> torch.Tensor:
+        """`ids [B, held]` followed by `tokens` new ids: `positions [B or 1, T]`, or by default their index in the
+        sequence (`dropped` tokens came before the held ones)."""
         if self._extended is not None:
             before, given, shape, after = self._extended
-            if before is ids and given is positions and shape == (batch, tokens, device):
+            if before is ids and given is positions and shape == (batch, tokens, device, dropped):
                 return after
-        held = 0 if ids is None else ids.shape[1]
-        new = torch.arange(held, held + tokens, device=device)[None] if positions is None else positions
+        first = dropped + (0 if ids is None else ids.shape[1])
+        new = torch.arange(first, first + tokens, device=device)[None] if positions is None else positions
         after = appended(ids, new.expand(batch, tokens).long(), 1)
-        self._extended = (ids, positions, (batch, tokens, device), after)
+        self._extended = (ids, positions, (batch, tokens, device, dropped), after)
         return after
+
+    def dropped(self, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+        """`ids [B, held]` without their first `tokens`."""
+        if self._dropped is None or self._dropped[0] is not ids or self._dropped[1] != tokens:
+            self._dropped = (ids, tokens, owned(ids[:, tokens:]))
+        return self._dropped[2]
 
     def tables(self, ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) `[B, end - start, R]` of `ids[:, start:end]`."""
@@ -118,7 +127,7 @@ class SharedRope:
 
     def release(self) -> None:
         """Forget the tables (and the last ids, whose memory a store may since have dropped)."""
-        self._extended, self._tables, self._checked = None, [], None
+        self._extended, self._dropped, self._tables, self._checked = None, None, [], None
 
 
 class TrackedPositions:
@@ -133,12 +142,13 @@ class TrackedPositions:
     def __init__(self, rope: RopeFn | SharedRope):
         self.shared = rope if isinstance(rope, SharedRope) else SharedRope(rope)
         self.ids: torch.Tensor | None = None
+        self.dropped = 0  # ids dropped from the front (`drop_front`)
         #: every encoded chunk checked so far runs on from its anchor (`SharedRope.runs_by_chunk`)
         self.by_chunk = True
 
     def extend(self, positions: torch.Tensor | None, batch: int, tokens: int, device: torch.device) -> None:
         """Keep `tokens` new tokens' position ids `[B or 1, T]` (default: their index in the sequence)."""
-        self.ids = self.shared.extended(self.ids, positions, batch, tokens, device)
+        self.ids = self.shared.extended(self.ids, positions, batch, tokens, device, self.dropped)
 
     def rope_inputs(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """`{"cos", "sin"}` of the tokens held at indices [start, end)."""
@@ -164,6 +174,11 @@ class TrackedPositions:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.ids is not None:
             self.ids = fn(self.ids)
+
+    def drop_front(self, tokens: int) -> None:
+        """Forget the first `tokens` ids."""
+        self.ids = self.shared.dropped(self.ids, tokens)
+        self.dropped += tokens
 
     def keep(self, tokens: int) -> None:
         """Keep the first `tokens` ids."""

@@ -3,7 +3,8 @@
 Tokens are held in absolute order: the first `sinks` tokens in full precision, then encoded chunks,
 then a full-precision residual window. New tokens enter the window; once it holds
 `residual + chunk` tokens, the oldest whole chunks are encoded, unless the pipeline's window policy
-lets the window grow instead. No full-precision copy of an encoded token is kept.
+lets the window grow instead. No full-precision copy of an encoded token is kept. A layer that attends through a
+sliding window drops the sinks and the whole encoded chunks that no later query can read.
 """
 
 from collections.abc import Callable, Mapping
@@ -82,16 +83,22 @@ class KVStore:
             (the store then keeps every token's position id): a `SharedRope` that the cache's other layers share,
             or a function.
         cross_layer: shared by the stores of every layer when the pipeline predicts across layers.
+        sliding_window: the layer's sliding window W (a query at index q reads the tokens after q − W), or None.
+            Given, the store drops the sinks, and then whole encoded chunks, once every token of them is at or
+            before `held − W` (as transformers' sliding layers keep W − 1 tokens); pipelines that predict across
+            layers or select encoded tokens by per-chunk state keep every token.
     """
 
     def __init__(
         self, pipeline: KVPipeline, layer: int = 0, rope: RopeFn | SharedRope | None = None,
-        cross_layer: CrossLayer | None = None,
+        cross_layer: CrossLayer | None = None, sliding_window: int | None = None,
     ):
         pipeline = pipeline.for_layer(layer)
         if pipeline.carries and cross_layer is None:
             raise ValueError(f"pipeline '{pipeline.name}' predicts across layers; its stores need a shared CrossLayer")
         self.pipeline, self.layer, self.rope, self.cross_layer = pipeline, layer, rope, cross_layer
+        drops = sliding_window is not None and not pipeline.carries and pipeline.selector is None
+        self.sliding_window = sliding_window if drops else None
         self.tracks_positions = bool({"cos", "sin"} & pipeline.requires)
         self.tracks_input = "x" in pipeline.requires  # XQuant encodes the window's tokens from their layer input
         if self.tracks_positions and rope is None:
@@ -103,6 +110,7 @@ class KVStore:
     def reset(self) -> None:
         """Forget every token (the pipeline and layer stay)."""
         self.length = 0  # tokens held
+        self.dropped = 0  # tokens dropped from the front (sliding window): the first held one's index
         self.window_limit = self.pipeline.residual + self.pipeline.chunk  # a full window holds this many
         self.sink_k: torch.Tensor | None = None  # [B, H, S, D]
         self.sink_v: torch.Tensor | None = None
@@ -118,6 +126,14 @@ class KVStore:
     @property
     def n_sinks(self) -> int:
         return 0 if self.sink_k is None else self.sink_k.shape[2]
+
+    @property
+    def n_seen(self) -> int:  # tokens appended so far, the dropped ones included: the next token's index
+        return self.dropped + self.length
+
+    @property
+    def sinks_missing(self) -> int:  # sinks still to take from the next tokens (none once they were dropped)
+        return 0 if self.dropped else self.pipeline.sinks - self.n_sinks
 
     @property
     def n_encoded(self) -> int:  # tokens held in encoded chunks
@@ -179,13 +195,35 @@ class KVStore:
             own = {**(inputs or {}), **self._rope_inputs(0, t)}
             self.prepared = pipe.prepare(k, v, layer=self.layer, valid=valid, inputs=own)
         self._settle(k, v, valid, x, attention, first)
+        self._drop_unreadable()
+
+    def _drop_unreadable(self) -> None:
+        """Drop the sinks, then whole encoded chunks, that no later query of a sliding-window layer reads: those at
+        indices at or before `n_seen − W`."""
+        if self.sliding_window is None:
+            return
+        unreadable = self.n_seen - self.sliding_window + 1 - self.dropped  # held tokens no later query reads
+        sinks = self.n_sinks
+        if unreadable < sinks:  # the sinks go first
+            return
+        encoded = min(unreadable - sinks, self.n_encoded) // self.pipeline.chunk * self.pipeline.chunk
+        if not sinks + encoded:
+            return
+        if sinks:
+            self.sink_k = self.sink_v = None
+        if encoded:
+            self.chunks.drop_front(encoded)
+        self.dropped += sinks + encoded
+        self.length -= sinks + encoded
+        if self.positions is not None:  # one drop, which the layers dropping the same share
+            self.positions.drop_front(sinks + encoded)
 
     def _settle(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, x: torch.Tensor | None,
                 attention: torch.Tensor | None, first: bool) -> None:
         """Place appended tokens `[B, H, T, D]`: the missing sinks first, then after the window, whose oldest whole
         chunks are encoded when the window policy flushes."""
         pipe, n = self.pipeline, self.n_residual
-        take = min(pipe.sinks - self.n_sinks, k.shape[2])
+        take = min(self.sinks_missing, k.shape[2])
         if take > 0:
             self.sink_k = appended(self.sink_k, k[:, :, :take], 2)
             self.sink_v = appended(self.sink_v, v[:, :, :take], 2)
@@ -225,7 +263,7 @@ class KVStore:
 
     def _enters_window(self, tokens: int) -> bool:
         """Appending `tokens` completes no chunk: they only enter the window (a decode step's token, mostly)."""
-        return self.n_residual + tokens < self.window_limit and self.n_sinks == self.pipeline.sinks and self.length > 0
+        return self.n_residual + tokens < self.window_limit and not self.sinks_missing and self.length > 0
 
     def _count_in_window(self, k: torch.Tensor, valid: torch.Tensor | None, x: torch.Tensor | None,
                          positions: torch.Tensor | None) -> None:
@@ -236,6 +274,7 @@ class KVStore:
         if self.positions is not None:
             self.positions.extend(positions, b, t, k.device)
         self.length += t
+        self._drop_unreadable()
 
     def attention_order(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """A mask over the held tokens and new ones `[..., length + new]` in sequence order (sinks, encoded, window,
@@ -417,6 +456,13 @@ class KVStore:
         if tokens <= 0 or self.length == 0:
             return
         tokens = min(tokens, self.length)
+        if self.dropped and self.dropped > self.n_seen - tokens - self.sliding_window + 1:
+            raise ValueError(
+                f"layer {self.layer} attends through a sliding window of {self.sliding_window} tokens and has dropped "
+                f"its first {self.dropped}, some of which a query after removing {tokens} tokens would read: remove "
+                f"at most {self.n_seen - self.sliding_window + 1 - self.dropped} (or crop before the window slides "
+                "past them)"
+            )
         keep = self.length - tokens
         keep_encoded = min(max(keep - self.n_sinks, 0), self.n_encoded)
         chunk = self.pipeline.chunk

@@ -154,3 +154,40 @@ def test_sliding_layers_read_compressed_tokens_inside_the_window():
     expected = _generate(model, ids, mask, n=20)
     with torchkv.patched(model, lossless(residual=8)):
         assert torch.equal(_generate(model, ids, mask, n=20), expected)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+@pytest.mark.parametrize(("arch", "preset"), [("mistral", "kivi-2bit"), ("gemma3_text", "frontier-2bit")])
+def test_sliding_layers_drop_what_the_window_passed(arch, preset, kernel, monkeypatch):
+    """Sliding-window layers hold about one window of tokens, whatever the length, and give the logits of a cache that
+    keeps every token: a left-padded prompt in two blocks (the second attends over a store that already dropped
+    tokens), then greedy decode steps (frontier with its centre turned to each position)."""
+    model = tiny_model(arch, layers=2 if arch == "mistral" else 6)  # Gemma 3: five sliding layers, one global
+    options = {"rotary_center": True, "chunk": 8} if preset == "frontier-2bit" else {"group": 8}
+    pipe = torchkv.KVPipeline.from_preset(preset, residual=8, sinks=2, compile=False, **options)
+    ids, mask = _prompt(length=120, pad=5)
+    windows = arch_module.sliding_windows(model)
+    runs = {}
+    for name, sliding in (("drops", windows), ("keeps", [None] * len(windows))):
+        monkeypatch.setattr(arch_module, "sliding_windows", lambda model, sliding=sliding: sliding)
+        with torch.no_grad(), torchkv.patched(model, pipe, prefill_kernel=kernel):
+            cache = torchkv.new_cache(model)
+            logits = [model(input_ids=ids[:, :70], attention_mask=mask[:, :70], **cache_argument(model, cache)).logits,
+                      model(input_ids=ids[:, 70:], attention_mask=mask, **cache_argument(model, cache)).logits]
+            token, attention = logits[-1][:, -1:].argmax(-1), mask
+            for _ in range(40):
+                attention = torch.cat([attention, torch.ones_like(token)], 1)
+                logits.append(model(input_ids=token, attention_mask=attention, **cache_argument(model, cache)).logits)
+                token = logits[-1][:, -1:].argmax(-1)
+        runs[name] = (torch.cat(logits, 1), cache)
+    torch.testing.assert_close(runs["drops"][0], runs["keeps"][0], rtol=1e-4, atol=1e-4)
+    dropping, keeping = runs["drops"][1], runs["keeps"][1]
+    for layer, window in zip(dropping.layers, windows):
+        groups = [(layer.store, 0)] if layer.row_groups is None else [(g.layer.store, g.strip) for g in layer.row_groups]
+        for store, strip in groups:  # row groups count their tokens after the pads they all share
+            assert store.n_seen == 160 - strip
+            if window is None:
+                assert store.dropped == 0
+            else:
+                assert store.dropped > 0 and store.length <= window - 1 + store.pipeline.chunk - 1
+    assert dropping.nbytes() < keeping.nbytes()

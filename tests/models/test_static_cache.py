@@ -45,7 +45,7 @@ def test_static_buffers_generate_like_the_model(arch):
     ids, mask = _prompt()
     expected = _generate(model, ids, mask).sequences
     with torchkv.patched(model, lossless(sinks=3)):
-        if all(torchkv.models.arch.sliding_layers(model)):  # a StaticCache of such a model keeps no length
+        if all(torchkv.models.arch.sliding_windows(model)):  # a StaticCache of such a model keeps no length
             with pytest.raises(ValueError, match="sliding window"):
                 _generate(model, ids, mask, cache_implementation="static")
             out = _generate(model, ids, mask, cache=torchkv.new_cache(model, max_cache_len=120))

@@ -123,13 +123,14 @@ def _rope_of_type(model: nn.Module, layer_type: str | None) -> RopeFn:
     return rope
 
 
-def sliding_layers(model: nn.Module) -> list[bool]:
-    """Whether each layer attends through a sliding window (from `config.layer_types`)."""
+def sliding_windows(model: nn.Module) -> list[int | None]:
+    """The sliding window (tokens) each layer attends through, or None (from `config.layer_types`)."""
     config = model.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types is None:  # Mistral-style: one window for every layer, or none
-        return [getattr(config, "sliding_window", None) is not None] * config.num_hidden_layers
-    return [t == "sliding_attention" for t in types]
+        return [window] * config.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 @contextlib.contextmanager

@@ -27,12 +27,15 @@ class MaskSpec:
         rule: transformers' mask function `(b, h, q_pos, kv_pos) -> bool` (causal, sliding, ...).
         padding: [B, kv_length] bool, False at padding, or None when nothing is padded.
         q_offset: absolute position index of the first query.
+        kv_start: absolute index of the first key the attention reads (`after`): a sliding-window layer's store
+            drops the tokens before it.
     """
 
     rule: Callable
     padding: torch.Tensor | None
     q_offset: "int | torch.Tensor"  # a 0-d tensor only inside a compiled step (read by no compiled path)
     _dense: dict = field(default_factory=dict, compare=False, repr=False)  # every layer asks for the same
+    kv_start: int = 0
     #: transformers passes a prepared mask of 4 dimensions through its mask creation unchanged; a spec made
     #: outside a compiled step (by `generate`, for compileable caches) reaches the attention function the same way
     ndim: ClassVar[int] = 4
@@ -40,7 +43,12 @@ class MaskSpec:
     @property
     def causal(self) -> bool:
         """The plain causal rule with no padding (what `is_causal` kernels implement)."""
-        return self.rule is causal_mask_function and self.padding is None
+        return self.rule is causal_mask_function and self.padding is None and not self.kv_start
+
+    def after(self, dropped: int) -> "MaskSpec":
+        """This spec over keys from absolute index `dropped` on (a store that dropped its first tokens); it shares
+        the dense masks every layer asks for."""
+        return self if not dropped else MaskSpec(self.rule, self.padding, self.q_offset, self._dense, dropped)
 
     @property
     def extra_rule(self) -> Callable | None:
@@ -49,26 +57,27 @@ class MaskSpec:
 
     def dense(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
         """[B or 1, 1, Q, N] bool, by broadcasting the rule over index grids (computed once per forward)."""
-        key = (q_len, kv_len, str(device))
+        key = (q_len, kv_len, str(device), self.kv_start)
         if key not in self._dense:
             q = torch.arange(self.q_offset, self.q_offset + q_len, device=device)[None, None, :, None]
-            kv = torch.arange(kv_len, device=device)[None, None, None, :]
+            kv = torch.arange(self.kv_start, self.kv_start + kv_len, device=device)[None, None, None, :]
             batch = 1 if self.padding is None else self.padding.shape[0]
             b = torch.arange(batch, device=device)[:, None, None, None]
             allowed = self.rule(b, torch.zeros_like(b), q, kv)
             if self.padding is not None:
-                allowed = allowed & self.padding[:, None, None, :kv_len]
+                allowed = allowed & self.padding[:, None, None, self.kv_start : self.kv_start + kv_len]
             self._dense[key] = allowed.expand(batch, 1, q_len, kv_len)
         return self._dense[key]
 
     def mask_mod(self, device: torch.device, q_start: int = 0, kv_start: int = 0, padded: bool = False) -> Callable:
-        """A FlexAttention mask_mod for queries from index `q_start` and keys from index `kv_start`.
+        """A FlexAttention mask_mod for queries from index `q_start` and keys from index `kv_start` (both counted from
+        the first query and the first key read, `self.kv_start`).
 
         With `padded`, keys are also checked against the padding mask (indexed by batch row).
         """
         # tensors, so new offsets do not recompile
         q_off = torch.tensor(self.q_offset + q_start, device=device)
-        kv_off = torch.tensor(kv_start, device=device)
+        kv_off = torch.tensor(self.kv_start + kv_start, device=device)
         rule, padding = self.rule, self.padding
 
         if not padded:
@@ -97,9 +106,9 @@ class MaskSpec:
         the lm-eval scorer's continuations), or None when no row has any."""
         if self.padding is None or torch.compiler.is_compiling():
             return None
-        key = ("trailing", kv_len)
+        key = ("trailing", kv_len, self.kv_start)
         if key not in self._dense:  # every layer asks the same
-            after = self.padding[:, :kv_len].flip(-1).int().cummax(-1).values == 0
+            after = self.padding[:, self.kv_start : self.kv_start + kv_len].flip(-1).int().cummax(-1).values == 0
             self._dense[key] = after.sum(-1).tolist() if bool(after.any()) else None
         return self._dense[key]
 
@@ -152,7 +161,8 @@ def torchkv_mask(
     if isinstance(attention_mask, MaskSpec):  # made before the compiled step (see `MaskSpec.ndim`)
         return attention_mask
     if kv_offset:
-        raise ValueError("torchkv caches keep every token; a non-zero kv_offset means a foreign cache layer")
+        raise ValueError("torchkv caches give masks over absolute token indices (a store that dropped tokens reads "
+                         "its part); a non-zero kv_offset means a foreign cache layer")
     compiling = torch.compiler.is_compiling()
     if not (compiling and isinstance(q_offset, torch.Tensor)):
         q_offset = int(q_offset)
@@ -182,13 +192,14 @@ def _flex(query, keys, values, spec: MaskSpec, scaling: float, softcap: float | 
         return flex_prefill(query, keys, values, block_mask, scaling, softcap, dynamic=False)
     out = torch.zeros_like(query)
     for b, start in enumerate(starts):
-        first_query = max(0, start - spec.q_offset)
-        if start >= kv_len or first_query >= q_len:
+        first_query, first_key = max(0, start - spec.q_offset), max(0, start - spec.kv_start)
+        if first_key >= kv_len or first_query >= q_len:
             continue
         rows = q_len - first_query
-        block_mask = block_mask_from(spec.mask_mod(device, first_query, start), None, rows, kv_len - start, device)
+        block_mask = block_mask_from(spec.mask_mod(device, first_query, first_key), None, rows, kv_len - first_key,
+                                     device)
         out[b : b + 1, :, first_query:] = flex_prefill(
-            query[b : b + 1, :, first_query:], keys[b : b + 1, :, start:], values[b : b + 1, :, start:],
+            query[b : b + 1, :, first_query:], keys[b : b + 1, :, first_key:], values[b : b + 1, :, first_key:],
             block_mask, scaling, softcap,
         )
     return out
@@ -200,7 +211,7 @@ def _sdpa(query, keys, values, spec: MaskSpec, scaling: float):
     nothing to attend to (padding) come out as zeros."""
     q_len, kv_len = query.shape[2], keys.shape[2]
     gqa = query.shape[1] != keys.shape[1]
-    fresh_causal = spec.rule is causal_mask_function and q_len == kv_len
+    fresh_causal = spec.rule is causal_mask_function and q_len == kv_len and not spec.kv_start
     if fresh_causal and spec.padding is None:
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
     starts = spec.left_padding() if fresh_causal else None
@@ -375,12 +386,13 @@ def _attend_and_commit(layer, query, attention_mask: MaskSpec, scaling: float, s
     kernel = layer.prefill_kernel
     store = layer.store
     k_new, v_new = layer.pending
-    start = store.length
+    start = store.n_seen
     valid = attention_mask.valid(start, start + k_new.shape[2])
+    attention_mask = attention_mask.after(store.dropped)  # keys from the first one held
     commit = (valid, position_ids, {"queries": query})
     compiled = store.pipeline.compile and store.pipeline.selector is None
     if query.shape[2] == 1 and store.n_encoded and compiled and not layer.simulated:
-        mask = None if attention_mask.causal else attention_mask.dense(1, start + 1, query.device)
+        mask = None if attention_mask.causal else attention_mask.dense(1, store.length + 1, query.device)
         k, v, staged = layer.take_staged()
         return store.decode_step(query, k, v, mask, scaling, softcap, valid=valid, positions=position_ids,
                                  inputs={"queries": query, **staged})

@@ -43,7 +43,7 @@ class TorchKVLayer(CacheLayerMixin):
         pipeline: KVPipeline,
         layer_idx: int,
         rope: RopeFn | None = None,
-        is_sliding: bool = False,
+        sliding_window: int | None = None,
         simulated: bool = False,
         prefill_kernel: str = "auto",
         cross_layer: CrossLayer | None = None,
@@ -52,8 +52,11 @@ class TorchKVLayer(CacheLayerMixin):
         group_cross_layers: dict | None = None,
     ):
         super().__init__()
-        self.store = KVStore(pipeline, layer_idx, rope, cross_layer)
-        self._settings = (pipeline, layer_idx, rope, is_sliding, simulated, prefill_kernel)
+        # a growing store drops what the window passed; fixed-capacity buffers (sized once) and simulated caches (whose
+        # queries attend after their tokens are stored) hold every token
+        drops = max_cache_len is None and not simulated
+        self.store = KVStore(pipeline, layer_idx, rope, cross_layer, sliding_window if drops else None)
+        self._settings = (pipeline, layer_idx, rope, sliding_window, simulated, prefill_kernel)
         #: a left-padded batch's rows in groups, each held by a layer of its own as its rows would be held alone
         #: (`split_rows`); None while the batch is held by `store`
         self.row_groups: list[RowGroup] | None = None
@@ -65,7 +68,7 @@ class TorchKVLayer(CacheLayerMixin):
                                                                         layers_after, rope)
         self.is_compileable = self.static is not None
         self.frozen = False
-        self.is_sliding = is_sliding
+        self.is_sliding = sliding_window is not None
         self.simulated = simulated
         self.prefill_kernel = prefill_kernel
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -91,7 +94,7 @@ class TorchKVLayer(CacheLayerMixin):
             keys.setdefault(row if alone else p if pipe.sinks else p % pipe.chunk, []).append(row)
         if len(keys) == 1 and not min(pads):
             return
-        pipeline, layer_idx, rope, is_sliding, simulated, kernel = self._settings
+        pipeline, layer_idx, rope, sliding_window, simulated, kernel = self._settings
         self.row_groups = []
         for rows in keys.values():
             cross = None
@@ -100,7 +103,7 @@ class TorchKVLayer(CacheLayerMixin):
             strip = min(pads[r] for r in rows)
             capacity, after = (None, 0) if self.static is None else (self.static.capacity - strip,
                                                                      self.static.layers_after)
-            layer = TorchKVLayer(pipeline, layer_idx, rope, is_sliding, simulated, kernel, cross, capacity, after)
+            layer = TorchKVLayer(pipeline, layer_idx, rope, sliding_window, simulated, kernel, cross, capacity, after)
             layer.is_initialized, layer.dtype, layer.device = True, self.dtype, self.device
             self.row_groups.append(RowGroup(torch.tensor(rows, device=self.device), strip, layer))
 
@@ -182,10 +185,10 @@ class TorchKVLayer(CacheLayerMixin):
             return self.grouped_length + staged
         if self.frozen:
             return self.static.buffers["length"] + staged
-        return self.store.length + staged
+        return self.store.n_seen + staged
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # every token is kept (absolute kv indices), the mask function applies any sliding window
+        # masks are over absolute kv indices; a store that dropped tokens reads its part (`MaskSpec.after`)
         if self.static is not None:
             return self.static.capacity, 0
         return self.get_seq_length() + query_length, 0
@@ -266,7 +269,8 @@ class TorchKVCache(Cache):
         num_layers: decoder layers.
         rope: per layer, the model's rotary embedding of that layer (for pipelines that read positions); layers given
             the same function share their position ids and, within a step, their cos/sin (`SharedRope`).
-        sliding: per layer, whether it attends through a sliding window.
+        sliding: per layer, the sliding window it attends through (tokens), or None; a growing store of such a
+            layer drops the tokens the window has passed.
         simulated: new tokens are stored before they are attended to, so queries read every token in
             its compressed form (how papers report "simulated quantization" perplexity; use with
             residual 0 and no sinks).
@@ -282,7 +286,7 @@ class TorchKVCache(Cache):
         pipeline: KVPipeline,
         num_layers: int,
         rope: list[RopeFn] | None = None,
-        sliding: list[bool] | None = None,
+        sliding: list[int | None] | None = None,
         simulated: bool = False,
         prefill_kernel: str = "auto",
         max_cache_len: int | None = None,
@@ -290,7 +294,7 @@ class TorchKVCache(Cache):
     ):
         if prefill_kernel not in PREFILL_KERNELS:
             raise ValueError(f"prefill_kernel={prefill_kernel!r}; allowed: {PREFILL_KERNELS}")
-        sliding = sliding or [False] * num_layers
+        sliding = sliding or [None] * num_layers
         cross_layer = CrossLayer(num_layers) if pipeline.carries else None
         group_cross_layers: dict = {}
         if max_cache_len is not None:

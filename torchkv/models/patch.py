@@ -70,7 +70,7 @@ def _check_compatible(model: nn.Module, pipeline: KVPipeline) -> None:
                          f"hidden {config.hidden_size}): {err}{options}") from err
     pipeline.check_fitted(config.num_hidden_layers, arch.fingerprint(model))
     window = getattr(config, "sliding_window", None)
-    if any(arch.sliding_layers(model)) and window is not None and window <= pipeline.residual + pipeline.chunk:
+    if any(arch.sliding_windows(model)) and window is not None and window <= pipeline.residual + pipeline.chunk:
         fix = (
             f"use residual <= {window - pipeline.chunk - 1}"
             if window > pipeline.chunk + 1
@@ -106,7 +106,7 @@ def new_cache(
 
     kernel = "auto" if state is None else state.prefill_kernel
     devices = [getattr(next(m.parameters(), None), "device", None) for m in arch.attention_modules(model)]
-    cache = TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_layers(model), simulated, kernel,
+    cache = TorchKVCache(pipe, config.num_hidden_layers, rope, arch.sliding_windows(model), simulated, kernel,
                          max_cache_len, devices)
     cache.model = weakref.ref(model)
     return cache
@@ -150,7 +150,7 @@ def _static_length(cache: StaticCache) -> int:
     if not full:
         raise ValueError(
             "every layer of this model attends through a sliding window, so transformers' StaticCache does not "
-            "record the generation length, and torchkv keeps every token: pass "
+            "record the generation length, and torchkv's fixed-capacity buffers hold every token: pass "
             "torchkv.new_cache(model, max_cache_len=N) as the cache instead of cache_implementation='static'"
         )
     return max(full)
