@@ -33,6 +33,7 @@ import torchkv
 from torchkv.eval.rows import BASELINES, COMPILED, STATIC_BASELINE, method
 from torchkv.eval.runner import machine
 from torchkv.eval.speed import generation_profile, sync
+from torchkv.models.loader import SMOLLM2
 from torchkv.positions import SharedRope
 from torchkv.testing import llama_rope, rope_tables
 
@@ -144,6 +145,7 @@ def summarize(profiles: list[dict], reference: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=SMOLLM2, help="a known model name or a local folder")
     parser.add_argument("--contexts", default="1024,4096,8192")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--cells", help="context x batch pairs instead of every --contexts x --batches pair, "
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         results["meta"]["runs"].append(run)
     else:
         results = {
-            "meta": {"kind": "decode-benchmark", "model": "smollm2-135m", "torchkv": torchkv.__version__,
+            "meta": {"kind": "decode-benchmark", "model": args.model, "torchkv": torchkv.__version__,
                      "torch": torch.__version__, "machine": machine(), "device": str(device),
                      "new_tokens": args.new_tokens, "runs": [run]},
             "rows": [],
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             results["kernel"].append(row)
             print(json.dumps(row), flush=True)
     for dtype in args.dtypes.split(","):
-        model, tokenizer = torchkv.load_model(dtype=getattr(torch, dtype))
+        model, tokenizer = torchkv.load_model(args.model, dtype=getattr(torch, dtype))
         model.to(device)
         for context, batch in cells:
             rows = {}
