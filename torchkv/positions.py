@@ -56,7 +56,8 @@ class SharedRope:
 
     def __init__(self, rope: RopeFn):
         self.rope = rope
-        self._extended: tuple | None = None  # (ids before, positions given, (batch, tokens, device), ids after)
+        #: (ids before, positions given, (batch, tokens, device, dropped), ids after)
+        self._extended: tuple | None = None
         self._dropped: tuple | None = None  # (ids before, tokens dropped, ids after)
         self._tables: list[tuple] = []  # (ids, (start, end) or (start, end, chunk), tables), the newest last
         self._steps: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, device) -> step tables
