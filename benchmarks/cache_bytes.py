@@ -41,7 +41,7 @@ def breakdown(model, ids: torch.Tensor, name: str) -> dict:
         row.pipeline.compile = False  # bytes only: no need to compile
     with row.active(model):
         cache = row.new_cache(model)
-        logits = model(ids, **cache_argument(model, cache), use_cache=True).logits
+        logits = model(ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1).logits  # [B, 1, vocab]
         model(logits[:, -1:].argmax(-1), **cache_argument(model, cache), use_cache=True)
     bytes_by_kind = Counter()
     stores = [store for layer in cache.layers for store in getattr(layer, "stores", lambda: [])()]
