@@ -21,6 +21,7 @@ from torchkv.corpora import documents
 from torchkv.eval.rows import cache_nbytes, method
 from torchkv.eval.runner import write_benchmark
 from torchkv.models import cache_argument
+from torchkv.models.cache import TorchKVCache
 from torchkv.models.loader import SMOLLM2
 
 KINDS = {"res_k": "window_kv", "res_v": "window_kv", "res_x": "window_x", "sink_k": "sinks", "sink_v": "sinks"}
@@ -44,13 +45,14 @@ def breakdown(model, ids: torch.Tensor, name: str) -> dict:
         logits = model(ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1).logits  # [B, 1, vocab]
         model(logits[:, -1:].argmax(-1), **cache_argument(model, cache), use_cache=True)
     bytes_by_kind = Counter()
-    stores = [store for layer in cache.layers for store in getattr(layer, "stores", lambda: [])()]
+    torchkv_cache = isinstance(cache, TorchKVCache)
+    stores = [store for layer in cache.layers for store in layer.stores()] if torchkv_cache else []
     for store in stores:
         for tensor_name, t in store.tensors().items():
             bytes_by_kind[kind(tensor_name)] += t.untyped_storage().nbytes()
     return {"preset": name, "total_bytes": cache_nbytes(cache), "bytes": dict(bytes_by_kind),
-            "encoded_bits_per_value": cache.encoded_bits_per_value() if stores else None,
-            "tokens_held": [getattr(s, "length", None) for s in stores]}
+            "encoded_bits_per_value": cache.encoded_bits_per_value() if torchkv_cache else None,
+            "tokens_held": [store.length for store in stores]}
 
 
 def main(argv: list[str] | None = None) -> None:

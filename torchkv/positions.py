@@ -143,13 +143,14 @@ class TrackedPositions:
     def __init__(self, rope: RopeFn | SharedRope):
         self.shared = rope if isinstance(rope, SharedRope) else SharedRope(rope)
         self.ids: torch.Tensor | None = None
-        self.dropped = 0  # ids dropped from the front (`drop_front`)
         #: every encoded chunk checked so far runs on from its anchor (`SharedRope.runs_by_chunk`)
         self.by_chunk = True
 
-    def extend(self, positions: torch.Tensor | None, batch: int, tokens: int, device: torch.device) -> None:
-        """Keep `tokens` new tokens' position ids `[B or 1, T]` (default: their index in the sequence)."""
-        self.ids = self.shared.extended(self.ids, positions, batch, tokens, device, self.dropped)
+    def extend(self, positions: torch.Tensor | None, batch: int, tokens: int, device: torch.device,
+               dropped: int = 0) -> None:
+        """Keep `tokens` new tokens' position ids `[B or 1, T]` (default: their index in the sequence, where `dropped`
+        tokens came before the held ones)."""
+        self.ids = self.shared.extended(self.ids, positions, batch, tokens, device, dropped)
 
     def rope_inputs(self, start: int, end: int) -> dict[str, torch.Tensor]:
         """`{"cos", "sin"}` of the tokens held at indices [start, end)."""
@@ -179,7 +180,6 @@ class TrackedPositions:
     def drop_front(self, tokens: int) -> None:
         """Forget the first `tokens` ids."""
         self.ids = self.shared.dropped(self.ids, tokens)
-        self.dropped += tokens
 
     def keep(self, tokens: int) -> None:
         """Keep the first `tokens` ids."""

@@ -187,7 +187,7 @@ class KVStore:
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
         if self.positions is not None:
-            self.positions.extend(positions, b, t, k.device)
+            self.positions.extend(positions, b, t, k.device, self.dropped)
         first = self.length == 0 and not self.prepared
         self.dtype, self.kv_heads, self.head_dim = k.dtype, k.shape[1], k.shape[-1]
         self.length += t
@@ -202,7 +202,7 @@ class KVStore:
         indices at or before `n_seen − W`."""
         if self.sliding_window is None:
             return
-        unreadable = self.n_seen - self.sliding_window + 1 - self.dropped  # held tokens no later query reads
+        unreadable = self.length - self.sliding_window + 1  # held tokens no later query reads
         sinks = self.n_sinks
         if unreadable < sinks:  # the sinks go first
             return
@@ -272,7 +272,7 @@ class KVStore:
         b, _, t, _ = k.shape
         self.recent.count(t, valid, x)
         if self.positions is not None:
-            self.positions.extend(positions, b, t, k.device)
+            self.positions.extend(positions, b, t, k.device, self.dropped)
         self.length += t
         self._drop_unreadable()
 
