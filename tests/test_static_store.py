@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchkv.ops.attention import attend_dense
 from torchkv.pipeline import KVPipeline
 from torchkv.static_store import StaticKVStore, static_refusal
 from torchkv.store import KVStore
@@ -87,3 +88,72 @@ def test_a_prompt_whose_positions_skip_is_refused_with_what_to_do():
     store.append(k, k, positions=torch.arange(20)[None] * 2, inputs={"queries": torch.randn(1, 4, 20, HEAD_DIM)})
     with pytest.raises(ValueError, match="do not run on by one.*consecutive position_ids"):
         StaticKVStore(pipe, 64, rope=_rope).freeze(store)
+
+
+def _sliding_rule(window: int):
+    """transformers' sliding-window rule over absolute indices: a query reads the keys after `q − window`."""
+    return lambda b, h, q, kv: (kv <= q) & (kv > q - window)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    prompt=st.integers(1, 80),
+    steps=st.integers(1, 60),
+    window=st.sampled_from([25, 40]),
+    sinks=st.sampled_from([0, 3]),
+    preset=st.sampled_from(["kivi-2bit", "frontier-2bit"]),
+    pad=st.integers(0, 6),
+    rule_given=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_fixed_buffers_of_a_sliding_layer_hold_only_the_chunks_its_window_reaches(prompt, steps, window, sinks, preset,
+                                                                                   pad, rule_given, seed):
+    """A sliding-window layer's buffers have ⌈(W − 1) / chunk⌉ + 1 chunk slots and drop the oldest chunk when they
+    are full: decode steps from a prompt store that dropped what its window passed give the outputs of a store that
+    keeps every token, under the window's mask (whether or not the model's rule is passed), and thawed they hold what
+    the growing store holds, from which decoding goes on."""
+    g = torch.Generator().manual_seed(seed)
+    options = {"rotary_center": True, "chunk": 8} if preset == "frontier-2bit" else {"group": 8}
+    pipe = KVPipeline.from_preset(preset, residual=8, sinks=sinks, compile=False, **options)
+    total = prompt + steps
+    k = torch.randn(2, 2, total + 1, HEAD_DIM, generator=g) + 2 * torch.randn(HEAD_DIM, generator=g)
+    v = torch.randn(2, 2, total + 1, HEAD_DIM, generator=g)
+    valid = torch.ones(2, total + 9, dtype=torch.bool)
+    valid[1, : min(pad, prompt - 1)] = False
+    kept, dropping = KVStore(pipe, rope=_rope), KVStore(pipe, rope=_rope, sliding_window=window)
+    queries = {"queries": torch.randn(2, 4, prompt, HEAD_DIM, generator=g)}
+    for store in (kept, dropping):
+        store.append(k[:, :, :prompt], v[:, :, :prompt], valid=valid[:, :prompt], inputs=queries)
+    static = StaticKVStore(pipe, total + 8, rope=_rope, sliding_window=window)
+    assert static.chunks == min(-(-(window - 1) // 8) + 1, -(-(total + 8) // 8))
+    static.freeze(dropping)
+    rule = _sliding_rule(window)
+
+    def growing_step(store, q, at):
+        mask = (rule(0, 0, torch.tensor(at), torch.arange(store.dropped, at + 1)) & valid[:, store.dropped : at + 1])
+        new = (q, k[:, :, at : at + 1], v[:, :, at : at + 1])
+        if store.n_encoded:
+            return store.decode_step(*new, mask[:, None, None], 0.125, valid=valid[:, at : at + 1])
+        keys, values = store.history()
+        out = attend_dense(q, torch.cat([keys, new[1]], 2), torch.cat([values, new[2]], 2), mask[:, None, None],
+                           0.125, None)[0]
+        store.append(*new[1:], valid=valid[:, at : at + 1])
+        return out
+
+    for at in range(prompt, total):
+        q = torch.randn(2, 4, 1, HEAD_DIM, generator=g)
+        expected = growing_step(kept, q, at)
+        got = static.decode_step(q, k[:, :, at : at + 1], v[:, :, at : at + 1], valid, rule if rule_given else None,
+                                 0.125, None)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    held = int(static.buffers["n_chunks"])
+    assert held <= static.chunks and int(static.buffers["length"]) == total
+    if total - window >= sinks + (static.chunks + 2) * 8:  # more chunks passed than the slots hold
+        assert int(static.buffers["dropped"]) > 0
+    thawed = KVStore(pipe, rope=_rope, sliding_window=window)
+    static.thaw(thawed)
+    assert thawed.n_seen == total and thawed.n_encoded == held * 8
+    if preset == "frontier-2bit":
+        assert torch.equal(thawed.positions.ids, kept.positions.ids[:, thawed.dropped :])
+    q = torch.randn(2, 4, 1, HEAD_DIM, generator=g)
+    torch.testing.assert_close(growing_step(thawed, q, total), growing_step(kept, q, total), rtol=1e-5, atol=1e-5)

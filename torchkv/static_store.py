@@ -7,6 +7,11 @@ live ones, and a window that just filled encodes its oldest chunk into the next 
 on a count in Python (on the CPU that encoding is a `torch.cond` inside the graph), so
 `torch.compile(fullgraph=True)` traces one graph that serves every step, and CUDA graphs can replay it.
 
+A sliding-window layer keeps only the chunk slots its window can reach: when they are full, a flush drops the
+oldest chunk (moving the others one slot on, so that slots stay in token order) before it writes the new one, as a
+`KVStore` given the window drops what no later query reads. Slots map to token indices through the count of tokens
+dropped.
+
 Each buffer has one spare slot at its end (window: one token, encoded: one chunk) that takes the writes a step
 does not keep (the new token while it is a sink; the chunk encoded when the window is not full), so that a
 write never depends on a branch. Multi-token steps (prompts) run through a `KVStore` (`thaw`, then `freeze`).
@@ -63,10 +68,12 @@ class StaticKVStore:
         capacity: the most tokens the layer will hold (sinks, encoded and window together).
         layers_after: layers of the cache after this one on its device (the capacity check).
         rope: the model's rotary embedding, for pipelines whose attention reads positions by chunk.
+        sliding_window: the layer's sliding window W (a query at index q reads the tokens after q − W), or None.
+            Given, the layer holds ⌈(W − 1) / chunk⌉ + 1 chunk slots at most, whatever the capacity.
     """
 
     def __init__(self, pipeline: KVPipeline, capacity: int, layers_after: int = 0,
-                 rope: RopeFn | SharedRope | None = None):
+                 rope: RopeFn | SharedRope | None = None, sliding_window: int | None = None):
         reason = static_refusal(pipeline)
         if reason is not None:
             raise ValueError(f"pipeline '{pipeline.name}' cannot use fixed-shape buffers: {reason}")
@@ -82,6 +89,9 @@ class StaticKVStore:
         self.sinks, self.chunk = pipeline.sinks, pipeline.chunk
         self.window = pipeline.residual + pipeline.chunk  # a full window holds this many
         self.chunks = -(-capacity // self.chunk)  # chunk slots, the spare one not counted
+        self.sliding_window = sliding_window
+        if sliding_window is not None:  # a chunk whose tokens a query can read lies within its last W − 1 tokens
+            self.chunks = min(self.chunks, -(-(sliding_window - 1) // self.chunk) + 1)
         self.buffers: dict[str, torch.Tensor] = {}  # allocated by the first `freeze`
         self.rows: dict[str, int] = {}  # rows per chunk of each encoded state tensor
         self.prepared: dict[str, torch.Tensor] = {}
@@ -117,7 +127,8 @@ class StaticKVStore:
         if self.reads_positions:  # position ids: of each sink and window token, and each chunk slot's anchor
             for name, n in (("sink_pos", self.sinks), ("res_pos", self.window + 1), ("anchors", self.chunks + 1)):
                 buffers[name] = torch.zeros(b, n, dtype=torch.long, device=device)
-        for name in ("n_sinks", "n_chunks", "n_residual", "length"):
+        # length: the next token's index; dropped: tokens of encoded chunks dropped (sliding window)
+        for name in ("n_sinks", "n_chunks", "n_residual", "length", "dropped"):
             buffers[name] = torch.zeros((), dtype=torch.long, device=device)
         if not torch.compiler.is_compiling():  # fixed addresses: in-place updates keep CUDA graphs valid
             for t in buffers.values():
@@ -141,8 +152,11 @@ class StaticKVStore:
 
     def freeze(self, store: KVStore) -> None:
         """Copy `store`'s tokens into the buffers (allocated on first use or when the batch changes), then empty it."""
-        if store.length > self.capacity:
-            raise ValueError(f"the layer holds {store.length} tokens, more than max_cache_len={self.capacity}")
+        if store.n_seen > self.capacity:
+            raise ValueError(f"the layer holds {store.n_seen} tokens, more than max_cache_len={self.capacity}")
+        if store.n_encoded > self.chunks * self.chunk:  # a store given the same window holds no more
+            raise ValueError(f"layer {store.layer} holds {store.n_encoded // self.chunk} encoded chunks, more than its "
+                             f"{self.chunks} fixed chunk slots: give its KVStore the layer's sliding window")
         held = [t for t in (store.recent.k, store.sink_k, *store.encoded.values()) if t is not None]
         batch, device = held[0].shape[0], held[0].device
         buf = self.buffers
@@ -150,15 +164,20 @@ class StaticKVStore:
             self._allocate(store, batch, device)
             buf = self.buffers
         s, n_enc, n_res = store.n_sinks, store.n_encoded, store.n_residual
+        # a store that dropped tokens dropped its sinks first: their slots count as filled, and the window passed them
+        dropped = store.dropped - self.sinks if store.dropped else 0
+        s = self.sinks if store.dropped else s
         for name, held in store.encoded.items():
             buf[f"encoded.{name}"][:, :, : held.shape[2]] = held
-        if s:
+        if store.n_sinks:
             buf["sink_k"][:, :, :s], buf["sink_v"][:, :, :s] = store.sink_k, store.sink_v
         if n_res:
             buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res], buf["res_valid"][:, :n_res], _ = store.recent.held()
         if self.reads_positions:
             self._freeze_positions(store)
-        for name, n in (("n_sinks", s), ("n_chunks", n_enc // self.chunk), ("n_residual", n_res), ("length", store.length)):
+        counts = {"n_sinks": s, "n_chunks": n_enc // self.chunk, "n_residual": n_res, "length": store.n_seen,
+                  "dropped": dropped}
+        for name, n in counts.items():
             buf[name].fill_(n)
         self.prepared, self.params, self.dtype = store.prepared, store.params, store.dtype
         self.kv_heads, self.head_dim = store.kv_heads, store.head_dim
@@ -168,7 +187,10 @@ class StaticKVStore:
     def thaw(self, store: KVStore) -> None:
         """Refill the (empty) `store` with the buffers' tokens, as the `KVStore` that held them would hold them."""
         buf = self.buffers
-        s, chunks, n_res, length = (int(buf[n]) for n in ("n_sinks", "n_chunks", "n_residual", "length"))
+        s, chunks, n_res, length, dropped = (int(buf[n]) for n in ("n_sinks", "n_chunks", "n_residual", "length",
+                                                                    "dropped"))
+        if self._sinks_passed(length):  # as the store would have dropped them (their slots are not read)
+            dropped, s = dropped + s, 0
         store.reset()
         store.prepared, store.params, store.dtype = self.prepared, self.params, self.dtype
         store.kv_heads, store.head_dim = self.kv_heads, self.head_dim
@@ -178,11 +200,15 @@ class StaticKVStore:
             store.chunks.extend({n: buf[f"encoded.{n}"][:, :, : chunks * rows].clone() for n, rows in self.rows.items()},
                                 chunks * self.chunk)
         store.recent.hold(buf["res_k"][:, :, :n_res], buf["res_v"][:, :, :n_res], buf["res_valid"][:, :n_res], None)
-        store.length = length
+        store.length, store.dropped = length - dropped, dropped
         if self.reads_positions:
             encoded = run_from(buf["anchors"][:, :chunks], self.chunk).flatten(1)
             store.positions.ids = torch.cat([buf["sink_pos"][:, :s], encoded, buf["res_pos"][:, :n_res]], 1)
             store.positions.by_chunk = True
+
+    def _sinks_passed(self, length: int) -> bool:
+        """Whether a sliding window has passed every sink once `length` tokens were seen (no query reads them)."""
+        return self.sliding_window is not None and self.sinks > 0 and length - self.sliding_window + 1 >= self.sinks
 
     def _freeze_positions(self, store: KVStore) -> None:
         """Copy the position ids of `store`'s sinks and window, and its chunks' anchors (`SharedRope.chunk_tables`),
@@ -227,16 +253,20 @@ class StaticKVStore:
     def _live(self, padding: torch.Tensor | None, rule, position: torch.Tensor) -> torch.Tensor:
         """[B or 1, 1, 1, N] bool: the slots the newest query attends to, in attention order (encoded, sinks, window).
 
-        A slot is live when it holds a token, that token is not padding, and the model's mask `rule` allows it
-        (None: the plain causal rule, under which every held token is visible to the newest one)."""
+        A slot is live when it holds a token, that token is not padding, the model's mask `rule` allows it (None:
+        the plain causal rule, under which every held token is visible to the newest one), and the sliding window has
+        not passed it (sinks a window passed keep their slots, but not their tokens, after a `KVStore` dropped them)."""
         buf, c, w = self.buffers, self.chunk, self.window
         device = position.device
         enc_idx = torch.arange((self.chunks + 1) * c, device=device)
         sink_idx = torch.arange(self.sinks, device=device)
         res_idx = torch.arange(w, device=device)
         live = torch.cat([enc_idx < buf["n_chunks"] * c, sink_idx < buf["n_sinks"], res_idx < buf["n_residual"]])[None]
-        # the token index of each slot: sinks come first, then the encoded chunks, then the window
-        index = torch.cat([enc_idx + buf["n_sinks"], sink_idx, res_idx + buf["n_sinks"] + buf["n_chunks"] * c])
+        # the token index of each slot: sinks come first, then the dropped tokens, the encoded chunks and the window
+        first = buf["n_sinks"] + buf["dropped"]
+        index = torch.cat([enc_idx + first, sink_idx, res_idx + first + buf["n_chunks"] * c])
+        if self.sliding_window is not None:
+            live = live & (index > position - self.sliding_window)
         if padding is not None:
             live = live & padding.index_select(1, index.clamp(max=padding.shape[1] - 1))
         if rule is not None:
@@ -264,7 +294,8 @@ class StaticKVStore:
         return tuple(spare.clone() for spare in operands[: len(self.rows)])
 
     def _flush(self, known_full: bool = False) -> None:
-        """If the window is full, encode its oldest chunk into the next chunk slot and shift the window.
+        """If the window is full, encode its oldest chunk into the next chunk slot and shift the window. A sliding
+        window's layer whose chunk slots are full first drops the oldest chunk, which its window has passed.
 
         A compiled step on the CPU holds both branches under `torch.cond` and runs one, so a step whose window is
         not full encodes nothing (frontier-2bit's whole step at 1K: 22 tokens/s against 18.6 encoding every step).
@@ -292,6 +323,8 @@ class StaticKVStore:
             encoded = self._encode_window(*operands)
         # the spare chunk slot when not full
         target = buf["n_chunks"] if full is None else torch.where(full, buf["n_chunks"], self.chunks)
+        dropped = 0 if self.sliding_window is None else self._drop_oldest(full)
+        target = target - dropped
         for (name, rows), t in zip(self.rows.items(), encoded):
             index = target * rows + torch.arange(rows, device=t.device)
             _bits(buf[f"encoded.{name}"]).index_copy_(2, index, _bits(t))
@@ -307,7 +340,24 @@ class StaticKVStore:
             kept = materialized(kept)
             old.copy_(kept if full is None else torch.where(full, kept, old))
         buf["n_residual"].sub_(c if full is None else full.long() * c)
-        buf["n_chunks"].add_(1 if full is None else full.long())
+        buf["n_chunks"].add_((1 if full is None else full.long()) - dropped)
+
+    def _drop_oldest(self, full: torch.Tensor | None) -> torch.Tensor:
+        """Where the window is `full` (None: known to be) and every chunk slot holds a chunk, move the chunks (and
+        their anchors) one slot towards the front, over the oldest, and count its tokens as dropped: pure tensor code,
+        a copy of the slots at every flush of such a layer. Returns the 0-d count of chunks dropped (0 or 1)."""
+        buf, c, n = self.buffers, self.chunk, self.chunks - 1
+        drop = buf["n_chunks"] == self.chunks
+        if full is not None:
+            drop = drop & full
+        moved = [(_bits(buf[f"encoded.{name}"]), 2, rows) for name, rows in self.rows.items()]
+        if self.reads_positions:
+            moved.append((buf["anchors"], 1, 1))
+        for t, axis, rows in moved:
+            front, after = t.narrow(axis, 0, n * rows), materialized(t.narrow(axis, rows, n * rows))
+            front.copy_(torch.where(drop, after, front))
+        buf["dropped"].add_(drop.long() * c)
+        return drop.long()
 
     def decode_step(
         self,

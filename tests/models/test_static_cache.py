@@ -54,7 +54,14 @@ def test_static_buffers_generate_like_the_model(arch):
     cache = out.past_key_values
     # each row group (the rows' pads differ) on fixed-capacity buffers of its own
     assert cache.is_compileable and all(len(layer.frozen_stores()) == 2 for layer in cache.layers)
-    assert int(cache.layers[0].frozen_stores()[1].buffers["n_chunks"]) * 8 > 80  # chunks encoded during decode
+    windows = torchkv.models.arch.sliding_windows(model)
+    for layer, window in zip(cache.layers, windows):
+        stores = layer.frozen_stores()
+        if window is None:
+            assert int(stores[1].buffers["n_chunks"]) * 8 > 80  # chunks encoded during decode
+        else:  # the chunk slots its window reaches, the oldest dropped as new ones came
+            assert all(store.chunks == -(-(window - 1) // 8) + 1 for store in stores)
+            assert int(stores[1].buffers["dropped"]) > 0
     assert torch.equal(out.sequences, expected)
 
 
@@ -105,7 +112,8 @@ def test_a_turned_key_centre_decodes_on_fixed_buffers_as_on_growing_stores(arch,
         growing = _generate(model, ids, mask, output_scores=True)
         static = _generate(model, ids, mask, output_scores=True, cache=torchkv.new_cache(model, max_cache_len=130))
     stores = static.past_key_values.layers[0].frozen_stores()
-    assert len(stores) == 2 and int(stores[1].buffers["n_chunks"]) * 8 > 80
+    buffers = stores[1].buffers  # chunks encoded during decode (a sliding layer dropped the oldest)
+    assert len(stores) == 2 and int(buffers["n_chunks"]) * 8 + int(buffers["dropped"]) > 80
     assert torch.equal(static.sequences, growing.sequences)
     torch.testing.assert_close(torch.stack(static.scores), torch.stack(growing.scores), rtol=1e-4, atol=1e-4)
 
@@ -193,6 +201,23 @@ def test_inductor_shifts_a_window_longer_than_two_chunks_as_eager_does():
         step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
         eager = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 100)
         compiled = _decode(model, torchkv.new_cache(model, max_cache_len=200), ids, 100, forward=step)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_inductor_drops_a_sliding_layers_oldest_chunk_as_eager_does():
+    """gemma3_text's sliding layers (window 48) keep 7 chunk slots of 8 tokens: over 60 steps after an 80-token
+    prompt, the compiled whole step drops the oldest chunk at each flush that finds them full, as eager does."""
+    model = tiny_model("gemma3_text")
+    ids, _ = _prompt(batch=1, pad=0)
+    with torchkv.patched(model, torchkv.KVPipeline.from_preset("kivi-2bit", residual=8, group=8)):
+        step = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+        caches = [torchkv.new_cache(model, max_cache_len=160) for _ in range(2)]
+        eager = _decode(model, caches[0], ids, 60)
+        compiled = _decode(model, caches[1], ids, 60, forward=step)
+    sliding = caches[1].layers[0].static
+    assert sliding.chunks == 7 and int(sliding.buffers["dropped"]) == int(caches[0].layers[0].static.buffers["dropped"])
+    assert int(sliding.buffers["dropped"]) >= 40
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 
 

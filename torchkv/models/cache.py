@@ -52,10 +52,10 @@ class TorchKVLayer(CacheLayerMixin):
         group_cross_layers: dict | None = None,
     ):
         super().__init__()
-        # a growing store drops what the window passed; fixed-capacity buffers (sized once) and simulated caches (whose
-        # queries attend after their tokens are stored) hold every token
-        drops = max_cache_len is None and not simulated
-        self.store = KVStore(pipeline, layer_idx, rope, cross_layer, sliding_window if drops else None)
+        # stores drop what the window passed, but simulated caches (whose queries attend after their tokens are
+        # stored) hold every token
+        window = None if simulated else sliding_window
+        self.store = KVStore(pipeline, layer_idx, rope, cross_layer, window)
         self._settings = (pipeline, layer_idx, rope, sliding_window, simulated, prefill_kernel)
         #: a left-padded batch's rows in groups, each held by a layer of its own as its rows would be held alone
         #: (`split_rows`); None while the batch is held by `store`
@@ -65,7 +65,7 @@ class TorchKVLayer(CacheLayerMixin):
         self.group_cross_layers = {} if group_cross_layers is None else group_cross_layers
         #: fixed-capacity buffers, which hold the tokens while `frozen` (decode steps), or None
         self.static = None if max_cache_len is None else StaticKVStore(self.store.pipeline, max_cache_len,
-                                                                        layers_after, rope)
+                                                                        layers_after, rope, window)
         self.is_compileable = self.static is not None
         self.frozen = False
         self.is_sliding = sliding_window is not None
@@ -269,8 +269,8 @@ class TorchKVCache(Cache):
         num_layers: decoder layers.
         rope: per layer, the model's rotary embedding of that layer (for pipelines that read positions); layers given
             the same function share their position ids and, within a step, their cos/sin (`SharedRope`).
-        sliding: per layer, the sliding window it attends through (tokens), or None; a growing store of such a
-            layer drops the tokens the window has passed.
+        sliding: per layer, the sliding window it attends through (tokens), or None; the stores of such a layer
+            drop the tokens the window has passed (fixed-capacity buffers keep the chunk slots the window reaches).
         simulated: new tokens are stored before they are attended to, so queries read every token in
             its compressed form (how papers report "simulated quantization" perplexity; use with
             residual 0 and no sinks).

@@ -150,7 +150,7 @@ def _static_length(cache: StaticCache) -> int:
     if not full:
         raise ValueError(
             "every layer of this model attends through a sliding window, so transformers' StaticCache does not "
-            "record the generation length, and torchkv's fixed-capacity buffers hold every token: pass "
+            "record the generation length, which bounds the token indices of torchkv's fixed-capacity buffers: pass "
             "torchkv.new_cache(model, max_cache_len=N) as the cache instead of cache_implementation='static'"
         )
     return max(full)
