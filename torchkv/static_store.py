@@ -163,10 +163,9 @@ class StaticKVStore:
         if not buf or buf["res_k"].shape[0] != batch or buf["res_k"].dtype != store.dtype:
             self._allocate(store, batch, device)
             buf = self.buffers
-        s, n_enc, n_res = store.n_sinks, store.n_encoded, store.n_residual
-        # a store that dropped tokens dropped its sinks first: their slots count as filled, and the window passed them
-        dropped = store.dropped - self.sinks if store.dropped else 0
-        s = self.sinks if store.dropped else s
+        s, n_enc, n_res, dropped = store.n_sinks, store.n_encoded, store.n_residual, 0
+        if store.dropped:  # its sinks went first: their slots count as filled, and the window passed them
+            s, dropped = self.sinks, store.dropped - self.sinks
         for name, held in store.encoded.items():
             buf[f"encoded.{name}"][:, :, : held.shape[2]] = held
         if store.n_sinks:
