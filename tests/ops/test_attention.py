@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from torchkv.models.attention import MaskSpec, grouped_as_query_heads
-from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill
+from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill, sdpa_by_query_blocks
 
 
 @pytest.mark.parametrize("hq,h", [(9, 3), (4, 4), (8, 1)])
@@ -74,3 +74,42 @@ def test_heads_grouped_as_query_heads_match_enable_gqa(kv_heads, groups, n):
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     out = F.scaled_dot_product_attention(q, grouped_as_query_heads(k, hq), grouped_as_query_heads(v, hq), attn_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 90), block=st.integers(1, 40), window=st.integers(1, 50), kv_heads=st.sampled_from([1, 2]),
+       pads=st.lists(st.integers(0, 30), min_size=2, max_size=2), rule=st.sampled_from(["sliding", "chunked", "causal"]))
+def test_sdpa_by_query_blocks_equals_one_sdpa_call(n, block, window, kv_heads, pads, rule):
+    """Prompt attention by query blocks, each over the span of keys its rows may see, gives one SDPA call's result
+    under sliding-window, chunked and causal masks with left padding; rows that see no key are zeros."""
+    q, k, v = torch.randn(2, 2 * kv_heads, n, 8), torch.randn(2, kv_heads, n, 8), torch.randn(2, kv_heads, n, 8)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    allowed = {"sliding": (j <= i) & (j > i - window), "chunked": (j <= i) & (j // window == i // window),
+               "causal": j <= i}[rule]
+    real = torch.arange(n)[None] >= torch.tensor(pads)[:, None]  # [2, n]
+    mask = (allowed[None] & real[:, None, :])[:, None]  # [2, 1, n, n]
+    out = sdpa_by_query_blocks(q, k, v, mask, 0.3, enable_gqa=kv_heads != q.shape[1], block=block)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != q.shape[1])
+    torch.testing.assert_close(out, ref.nan_to_num(0.0), rtol=1e-5, atol=1e-5)
+    blind = ~mask.any(-1, keepdim=True).expand_as(out[:, :1, :, :1])
+    assert torch.equal(out[blind.expand_as(out)], torch.zeros_like(out[blind.expand_as(out)]))
+
+
+def test_transformers_sdpa_by_query_blocks_matches_transformers_sdpa():
+    """The attention that long-context evaluations give transformers' own caches: a 2,100-token prompt under a
+    sliding window (3 query blocks) equals transformers' SDPA attention, and a maskless call is passed through."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from torchkv.models.attention import transformers_sdpa_by_query_blocks
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    n = 2100
+    q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    mask = sliding_window_causal_mask_function(300)(0, 0, torch.arange(n)[:, None], torch.arange(n)[None])[None, None]
+    out, _ = transformers_sdpa_by_query_blocks(module, q, k, v, mask, scaling=0.25)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out, _ = transformers_sdpa_by_query_blocks(module, q, k, v, None, scaling=0.25)
+    ref, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
+    assert torch.equal(out, ref)

@@ -9,6 +9,7 @@ the cache holds, the ids of the question and the ids scored are the same in gene
 tokenization could merge tokens across the boundaries).
 """
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ from torchkv.eval.long_report import NEEDLE, SUITE, load
 from torchkv.eval.rows import TUNED, Method, method
 from torchkv.eval.runner import REFERENCE, _commit, _write, machine
 from torchkv.eval.through_cache import Request, generate, score
+from torchkv.models.arch import swapped_attention
+from torchkv.models.attention import transformers_sdpa_by_query_blocks
 from torchkv.models.loader import load_model
 from torchkv.version import __version__
 
@@ -111,6 +114,14 @@ def _start(kind: str, model_name: str, model, settings: dict, out: Path) -> dict
     return {"meta": meta, "cells": []}
 
 
+def _prompt_attention(model, row: Method) -> contextlib.AbstractContextManager:
+    """transformers' own attention for the rows that use it (full precision, quanto), with masked prompts computed
+    by query blocks (`transformers_sdpa_by_query_blocks`); torchkv rows compute theirs so already."""
+    if row.kind not in ("dynamic", "quanto"):
+        return contextlib.nullcontext()
+    return swapped_attention(model, "sdpa_by_query_blocks", transformers_sdpa_by_query_blocks)
+
+
 def _run_cells(
     kind: str, model_name: str, presets: Sequence[str], grid: list[dict], settings: dict, out: Path,
     measure: Callable[[object, object, Method, dict], dict], model, tokenizer, progress: bool,
@@ -149,7 +160,8 @@ def _run_cells(
                 results["cells"].append({**cell, "skipped": reason})
             else:
                 started = time.perf_counter()
-                measured = measure(model, tokenizer, by_name[cell["preset"]], cell)
+                with _prompt_attention(model, by_name[cell["preset"]]):
+                    measured = measure(model, tokenizer, by_name[cell["preset"]], cell)
                 results["cells"].append({**cell, **measured, "samples": settings["samples"],
                                          "seconds": time.perf_counter() - started})
             _write(out, results)  # an interrupted run keeps every finished cell

@@ -6,6 +6,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from torchkv._compat import function_copy
@@ -79,6 +80,46 @@ def flex_prefill(
     return _compiled_flex(dynamic, rule_constants(block_mask.mask_mod))(
         q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+#: queries per SDPA call of `sdpa_by_query_blocks`
+QUERY_BLOCK = 1024
+
+
+def sdpa_by_query_blocks(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+    enable_gqa: bool = False, block: int = QUERY_BLOCK,
+) -> torch.Tensor:
+    """SDPA under a dense bool `mask`, `block` queries at a time, each block reading only the keys from the first to
+    the last one that its rows may see.
+
+    SDPA's kernels compute every tile of a masked score matrix, so a sliding window of W tokens over a Q-token prompt
+    costs Q² scores in one call; by blocks it costs about Q·(block + W). A masked key adds nothing to a row, so the
+    result is the one call's up to rounding. Rows that may see no key come out as zeros. Inside a compiled graph, where
+    the spans would depend on the mask's values, it is the one call.
+
+    Args:
+        query: [B, Hq, Q, D]. keys, values: [B, H, N, D].
+        mask: [B or 1, 1, Q, N] bool, True where a query may see a key.
+
+    Returns:
+        [B, Hq, Q, D].
+    """
+    if torch.compiler.is_compiling():
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=enable_gqa).nan_to_num(0.0)
+    out = torch.zeros_like(query)
+    for start in range(0, query.shape[2], block):
+        rows = mask[:, :, start : start + block]
+        seen = rows.flatten(0, 2).any(0).nonzero()
+        if not seen.numel():
+            continue
+        lo, hi = int(seen[0]), int(seen[-1]) + 1
+        out[:, :, start : start + block] = F.scaled_dot_product_attention(
+            query[:, :, start : start + block], keys[:, :, lo:hi], values[:, :, lo:hi], attn_mask=rows[..., lo:hi],
+            scale=scale, enable_gqa=enable_gqa,
+        ).nan_to_num(0.0)
+    return out
 
 
 def block_mask_from(mask_mod: Callable, batch: int | None, q_len: int, kv_len: int, device) -> BlockMask:
