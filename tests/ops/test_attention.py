@@ -78,7 +78,8 @@ def test_heads_grouped_as_query_heads_match_enable_gqa(kv_heads, groups, n):
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 90), block=st.integers(1, 40), window=st.integers(1, 50), kv_heads=st.sampled_from([1, 2]),
-       pads=st.lists(st.integers(0, 30), min_size=2, max_size=2), rule=st.sampled_from(["sliding", "chunked", "causal"]))
+       pads=st.lists(st.integers(0, 30), min_size=2, max_size=2),
+       rule=st.sampled_from(["sliding", "chunked", "causal"]))
 def test_sdpa_by_query_blocks_equals_one_sdpa_call(n, block, window, kv_heads, pads, rule):
     """Prompt attention by query blocks, each over the span of keys its rows may see, gives one SDPA call's result
     under sliding-window, chunked and causal masks with left padding; rows that see no key are zeros."""
@@ -106,7 +107,8 @@ def test_transformers_sdpa_by_query_blocks_matches_transformers_sdpa():
     module.is_causal, module.num_key_value_groups = True, 2
     n = 2100
     q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
-    mask = sliding_window_causal_mask_function(300)(0, 0, torch.arange(n)[:, None], torch.arange(n)[None])[None, None]
+    rule = sliding_window_causal_mask_function(300)
+    mask = rule(0, 0, torch.arange(n)[:, None], torch.arange(n)[None])[None, None]
     out, _ = transformers_sdpa_by_query_blocks(module, q, k, v, mask, scaling=0.25)
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
