@@ -253,7 +253,11 @@ def transformers_sdpa_by_query_blocks(module, query, key, value, attention_mask,
                                       **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     mask = attention_mask[..., : key.shape[2]]  # as transformers' SDPA reads it
-    out = sdpa_by_query_blocks(query, key, value, mask, scaling, query.shape[1] != key.shape[1])
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and query.is_cuda:  # as in `_sdpa`: with a mask, `enable_gqa` has no fused CUDA kernel
+        key, value = grouped_as_query_heads(key, query.shape[1]), grouped_as_query_heads(value, query.shape[1])
+        gqa = False
+    out = sdpa_by_query_blocks(query, key, value, mask, scaling, gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
