@@ -226,9 +226,7 @@ def _sdpa(query, keys, values, spec: MaskSpec, scaling: float):
                 )
         return out
     mask = spec.dense(q_len, kv_len, query.device)
-    if gqa and query.is_cuda:
-        keys, values = grouped_as_query_heads(keys, query.shape[1]), grouped_as_query_heads(values, query.shape[1])
-        gqa = False
+    keys, values, gqa = _heads_for_masked_sdpa(query, keys, values)
     trailing = spec.trailing_padding(kv_len)
     if trailing is None:
         return sdpa_by_query_blocks(query, keys, values, mask, scaling, gqa)
@@ -253,12 +251,18 @@ def transformers_sdpa_by_query_blocks(module, query, key, value, attention_mask,
                                       **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     mask = attention_mask[..., : key.shape[2]]  # as transformers' SDPA reads it
-    gqa = query.shape[1] != key.shape[1]
-    if gqa and query.is_cuda:  # as in `_sdpa`: with a mask, `enable_gqa` has no fused CUDA kernel
-        key, value = grouped_as_query_heads(key, query.shape[1]), grouped_as_query_heads(value, query.shape[1])
-        gqa = False
+    key, value, gqa = _heads_for_masked_sdpa(query, key, value)
     out = sdpa_by_query_blocks(query, key, value, mask, scaling, gqa)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _heads_for_masked_sdpa(query, keys, values) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(keys, values, enable_gqa) for SDPA with a mask: on CUDA the KV heads repeated to the query heads
+    (`grouped_as_query_heads`), elsewhere as they are with `enable_gqa` where the head counts differ."""
+    gqa = query.shape[1] != keys.shape[1]
+    if gqa and query.is_cuda:
+        return grouped_as_query_heads(keys, query.shape[1]), grouped_as_query_heads(values, query.shape[1]), False
+    return keys, values, gqa
 
 
 def grouped_as_query_heads(x: torch.Tensor, query_heads: int) -> torch.Tensor:
