@@ -200,7 +200,8 @@ def test_selection_reads_one_chunk_in_ratio_with_the_outliers_always_among_them(
 
 def test_skipped_chunks_are_not_read_and_a_full_budget_is_dense_attention():
     """Q17, and the sparse step's output does not depend on the codes of chunks it did not select."""
-    from torchkv.models.attention import MaskSpec, _sparse
+    from torchkv.models.attention import _sparse
+    from torchkv.models.mask import MaskSpec
     from transformers.masking_utils import causal_mask_function
 
     spec = MaskSpec(causal_mask_function, None, 520)

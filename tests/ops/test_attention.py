@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from transformers.masking_utils import sliding_window_causal_mask_function
 
-from torchkv.models.attention import MaskSpec, grouped_as_query_heads
+from torchkv.models.mask import MaskSpec
+from torchkv.models.prompt_attention import grouped_as_query_heads
 from torchkv.ops.attention import attend_dense, block_mask_from, flex_prefill, sdpa_by_query_blocks
 
 
@@ -101,7 +102,7 @@ def test_transformers_sdpa_by_query_blocks_matches_transformers_sdpa():
     sliding window (3 query blocks) equals transformers' SDPA attention, and a maskless call is passed through."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from torchkv.models.attention import transformers_sdpa_by_query_blocks
+    from torchkv.models.prompt_attention import transformers_sdpa_by_query_blocks
 
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
