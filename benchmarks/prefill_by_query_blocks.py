@@ -1,6 +1,7 @@
 """One prompt's prefill through transformers' `DynamicCache`: transformers' SDPA against the same attention by query
-blocks (`models.prompt_attention.transformers_sdpa_by_query_blocks`), which the long-context evaluations give full-precision
-rows. On a model with sliding-window layers, SDPA computes every tile of each local layer's masked score matrix.
+blocks (`models.prompt_attention.transformers_sdpa_by_query_blocks`), which the long-context evaluations give
+full-precision rows. On a model with sliding-window layers, SDPA computes every tile of each local layer's masked score
+matrix.
 
     python benchmarks/prefill_by_query_blocks.py --model gemma3-270m --lengths 8192,16384 \\
         --out benchmarks/results/gemma3/prefill_by_query_blocks_gemma3.json
@@ -19,8 +20,8 @@ from transformers import DynamicCache
 
 from torchkv.eval.runner import machine
 from torchkv.models.arch import swapped_attention
-from torchkv.models.prompt_attention import transformers_sdpa_by_query_blocks
 from torchkv.models.loader import load_model
+from torchkv.models.prompt_attention import transformers_sdpa_by_query_blocks
 
 
 def _prefill(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:

@@ -25,8 +25,8 @@ from torchkv.eval.rows import TUNED, Method, method
 from torchkv.eval.runner import REFERENCE, _commit, _write, machine
 from torchkv.eval.through_cache import Request, generate, score
 from torchkv.models.arch import swapped_attention
-from torchkv.models.prompt_attention import transformers_sdpa_by_query_blocks
 from torchkv.models.loader import load_model
+from torchkv.models.prompt_attention import transformers_sdpa_by_query_blocks
 from torchkv.version import __version__
 
 #: new tokens generated for a suite answer: the multi-answer tasks list several words or keys
