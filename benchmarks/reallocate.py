@@ -7,13 +7,16 @@ the measurement price keys against values as long contexts do?). A folder tuned 
 allocated per head again, from the per-head costs its `tune.json` keeps:
 
     python benchmarks/reallocate.py SRC_FOLDER OUT_FOLDER --budget 2.1 [--min-key-bits 2] [--min-value-bits 1]
-        [--key-weight 2] [--also OTHER_FOLDER]
+        [--key-weight 2] [--also OTHER_FOLDER ...] [--widths-of FOLDER]
 
-`--also` adds the candidates of a folder tuned from another preset on the same calibration windows (same model,
-domain, tokens and window length), so that each layer, side and head takes the better of both presets' settings
-at its width, e.g. keys with and without `rotary_center`. The costs are measured per layer against the same
-full-precision gradients, so the merged allocation is the one a joint measurement would make; the candidates the
-two folders share (equal chains) must have equal costs, which checks it.
+`--also` (repeatable) adds the candidates of a folder tuned from another preset on the same calibration windows
+(same model, domain, tokens and window length), so that each layer, side and head takes the best of the presets'
+settings at its width, e.g. keys with and without `rotary_center`, values in uniform or HIGGS codes. The costs are
+measured per layer against the same full-precision gradients, so the merged allocation is the one a joint
+measurement would make; the candidates two folders share (equal chains) must have equal costs, which checks it.
+
+`--widths-of` keeps each layer's and side's width as a per-layer folder chose it and takes the cheapest candidate of
+that width: which stored form pays at unchanged widths (an ablation; the budget is then the folder's bits).
 """
 
 import argparse
@@ -44,21 +47,21 @@ def measured_on(report: dict) -> dict:
 
 
 def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: float = 1.0,
-               also: Path | None = None) -> tuple[torchkv.KVPipeline, dict]:
-    """The tuned pipeline and report of `src`'s measured costs (and `also`'s, see the module docstring) allocated
-    at `budget`, over candidates at least `min_bits[side]` wide, the keys' costs multiplied by `key_weight` for the
-    choice (the report's costs are the measured ones)."""
+               also: tuple[Path, ...] = (), widths_of: Path | None = None) -> tuple[torchkv.KVPipeline, dict]:
+    """The tuned pipeline and report of `src`'s measured costs (and each `also` folder's, see the module docstring)
+    allocated at `budget`, over candidates at least `min_bits[side]` wide (of the widths `widths_of` chose, where
+    given), the keys' costs multiplied by `key_weight` for the choice (the report's costs are the measured ones)."""
     if key_weight <= 0:
         raise ValueError(f"key_weight={key_weight:g}: weight the keys' costs by a positive factor")
     report = json.loads((src / "tune.json").read_text())
     model, _ = torchkv.load_model(report["model"])
     per_head = measured_on(report)["per_head"]  # a folder of `torchkv tune --per-head`: its costs by KV head too
     sources = [(report, "")]
-    if also is not None:
-        other = json.loads((also / "tune.json").read_text())
+    for folder in also:
+        other = json.loads((folder / "tune.json").read_text())
         theirs, ours = measured_on(other), measured_on(report)
         if theirs != ours:
-            raise ValueError(f"{also} was tuned on other calibration windows than {src} ("
+            raise ValueError(f"{folder} was tuned on other calibration windows than {src} ("
                              + ", ".join(f"{key} {theirs[key]!r} against {ours[key]!r}" for key in ours)
                              + "): tune both on the same model, domain, --tokens and --seq-len")
         sources.append((other, f"{other['preset']}/"))
@@ -67,8 +70,8 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
     kept, costs, head_costs = [], [], []
     for layer in range(len(report["sensitivity"])):
         sides, layer_costs, layer_head_costs = {"k": [], "v": []}, {"k": [], "v": []}, {"k": [], "v": []}
-        seen: dict[tuple[str, str], float] = {}  # each candidate chain's measured cost, by side and spec
-        for (source, prefix), pipe in zip(sources, pipes):
+        seen: dict[tuple[str, str], tuple[Path, float]] = {}  # each candidate chain's first folder and cost
+        for (source, prefix), pipe, folder in zip(sources, pipes, (src, *also)):
             options = candidates(pipe.for_layer(layer), config.num_key_value_heads, config_head_dim(config))
             measured = source["sensitivity"][layer]
             for side in ("k", "v"):
@@ -78,11 +81,12 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
                         continue
                     item, cost = (side, chain_spec(Chain(list(c.transforms)))), measured[side][c.label]
                     if item in seen:  # measured by both: the same windows give the same cost, to float noise
-                        if not math.isclose(cost, seen[item], rel_tol=SAME_COST, abs_tol=SAME_COST * 1e-3):
-                            raise ValueError(f"layer {layer}'s {c.label} costs {cost:.6g} in {also} and "
-                                             f"{seen[item]:.6g} in {src}: they were measured on other windows")
+                        first, first_cost = seen[item]
+                        if not math.isclose(cost, first_cost, rel_tol=SAME_COST, abs_tol=SAME_COST * 1e-3):
+                            raise ValueError(f"layer {layer}'s {c.label} costs {cost:.6g} in {folder} and "
+                                             f"{first_cost:.6g} in {first}: they were measured on other windows")
                         continue
-                    seen[item] = cost
+                    seen[item] = folder, cost
                     sides[side].append(dataclasses.replace(c, label=prefix + c.label))
                     layer_costs[side].append(cost * weight)
                     if per_head:
@@ -92,6 +96,8 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
         costs.append(layer_costs)
         if per_head:
             head_costs.append(layer_head_costs)
+    if widths_of is not None:
+        kept, costs = of_widths(kept, costs, json.loads((widths_of / "tune.json").read_text()), widths_of)
     check_budget(budget, *bits_range(kept))
     sensitivity = Sensitivity(pipes[0], kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"],
                               head_costs)
@@ -104,9 +110,29 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
     for layer in out.get("head_sensitivity", []):
         layer["k"] = {label: [cost / key_weight for cost in costs] for label, costs in layer["k"].items()}
     out.update(model=report["model"], domain=report["domain"], reallocated_from=str(src), min_bits=min_bits,
-               also=None if also is None else str(also),
+               also=[str(folder) for folder in also], widths_of=None if widths_of is None else str(widths_of),
                key_weight=key_weight, predicted_kl=sum(layer["key_kl"] + layer["value_kl"] for layer in out["layers"]))
     return tuned, out
+
+
+def of_widths(kept: list[dict], costs: list[dict], chosen: dict, folder: Path) -> tuple[list[dict], list[dict]]:
+    """Each layer's and side's candidates (and costs) of the width that the per-layer report `chosen` took there."""
+    if chosen.get("per_head"):
+        raise ValueError(f"--widths-of {folder} was tuned per KV head; give a folder tuned per layer")
+    out_kept, out_costs = [], []
+    for layer, (sides, layer_costs) in enumerate(zip(kept, costs)):
+        picked, narrowed, narrowed_costs = chosen["layers"][layer], {}, {}
+        for side, name in (("k", "keys"), ("v", "values")):
+            widths = {c.label: c.width for c in sides[side]}
+            if picked[name] not in widths:
+                raise ValueError(f"--widths-of {folder}: layer {layer}'s {name} {picked[name]!r} is none of the "
+                                 f"candidates {sorted(widths)}; reallocate from the folders it was allocated from")
+            keep = [i for i, c in enumerate(sides[side]) if c.width == widths[picked[name]]]
+            narrowed[side] = [sides[side][i] for i in keep]
+            narrowed_costs[side] = [layer_costs[side][i] for i in keep]
+        out_kept.append(narrowed)
+        out_costs.append(narrowed_costs)
+    return out_kept, out_costs
 
 
 def main() -> None:
@@ -117,11 +143,13 @@ def main() -> None:
     parser.add_argument("--min-key-bits", type=int, default=1)
     parser.add_argument("--min-value-bits", type=int, default=1)
     parser.add_argument("--key-weight", type=float, default=1.0, help="multiplies the keys' costs in the choice")
-    parser.add_argument("--also", type=Path, help="a folder tuned from another preset on the same windows: its "
-                        "candidates too")
+    parser.add_argument("--also", type=Path, action="append", default=[],
+                        help="a folder tuned from another preset on the same windows: its candidates too (repeatable)")
+    parser.add_argument("--widths-of", type=Path, help="a per-layer folder allocated from these folders: keep its "
+                        "widths, take the cheapest candidate of each")
     args = parser.parse_args()
     tuned, report = reallocate(args.src, args.budget, {"k": args.min_key_bits, "v": args.min_value_bits},
-                               args.key_weight, args.also)
+                               args.key_weight, tuple(args.also), args.widths_of)
     tuned.save_pretrained(args.out)
     (args.out / "tune.json").write_text(json.dumps(report, indent=2))
     print(f"{report['bits_per_value']:.4g} stored bits per value, predicted KL {report['predicted_kl']:.4g}; "

@@ -314,7 +314,8 @@ def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_be
     """`benchmarks/reallocate.py --also`: the committed per-head folders tuned with and without `rotary_center` on
     the same windows, merged, predict no more KL at the same budget than either alone (a superset of candidates),
     and centre the keys of some heads only; a folder merged with itself is itself; costs that disagree, or a folder
-    tuned on other windows, are refused; a folder saved before "per_head" was recorded counts as per layer."""
+    tuned on other windows, are refused; a folder saved before "per_head" was recorded counts as per layer; a
+    folder's own widths (`--widths-of`) give its own choice back."""
     import shutil
     from pathlib import Path
 
@@ -327,29 +328,38 @@ def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_be
     centred = tuned / "frontier-2bit@2.5_mixed_per_head_rotary_center"
     one = {"k": 1, "v": 1}
     alone = [module.reallocate(src, 2.5, one)[1] for src in (plain, centred)]
-    pipe, merged = module.reallocate(plain, 2.5, one, also=centred)
-    assert merged["bits_per_value"] <= 2.5 and merged["also"] == str(centred)
+    pipe, merged = module.reallocate(plain, 2.5, one, also=(centred,))
+    assert merged["bits_per_value"] <= 2.5 and merged["also"] == [str(centred)]
     assert merged["predicted_kl"] <= min(report["predicted_kl"] for report in alone) * (1 + 1e-9)
     labels = [label for layer in merged["layers"] for label in
               (layer["keys"] if isinstance(layer["keys"], dict) else {layer["keys"]: None})]
     ours = [label.startswith("frontier-2bit:rotary_center=True/") for label in labels]
     assert any(ours) and not all(ours)
     assert any("rotary_center" in t.name for chains in pipe.layer_chains.values() for t in chains[0].transforms)
-    assert module.reallocate(plain, 2.5, one, also=plain)[1]["layers"] == alone[0]["layers"]
+    assert module.reallocate(plain, 2.5, one, also=(plain,))[1]["layers"] == alone[0]["layers"]
     bent = tmp_path / "bent"
     shutil.copytree(plain, bent)
     report = json.loads((bent / "tune.json").read_text())
     report["sensitivity"][3]["v"]["uniform2"] *= 1.2
     (bent / "tune.json").write_text(json.dumps(report))
     with pytest.raises(ValueError, match="layer 3's uniform2 costs .* measured on other windows"):
-        module.reallocate(plain, 2.5, one, also=bent)
+        module.reallocate(plain, 2.5, one, also=(bent,))
     with pytest.raises(ValueError, match="other calibration windows"):
-        module.reallocate(plain, 2.5, one, also=tuned / "frontier-2bit@2.5_wiki_per_head_far")
+        module.reallocate(plain, 2.5, one, also=(tuned / "frontier-2bit@2.5_wiki_per_head_far",))
     older = root / "benchmarks/results/domains/tuned/frontier-2bit@2.5_mixed_no_1bit_keys"  # no "per_head" saved
     today = tmp_path / "today"
     shutil.copytree(older, today)
     report = json.loads((today / "tune.json").read_text())
     assert "per_head" not in report
     (today / "tune.json").write_text(json.dumps({**report, "per_head": False}))  # what a per-layer tuning writes now
-    merged = module.reallocate(older, 2.5, one, also=today)[1]
+    merged = module.reallocate(older, 2.5, one, also=(today,))[1]
     assert merged["layers"] == module.reallocate(older, 2.5, one)[1]["layers"]
+    # --widths-of: a folder's own widths give its own choice back; per-head folders and unknown labels are refused
+    kept = module.reallocate(older, 2.5, one, also=(today,), widths_of=older)[1]
+    assert kept["layers"] == merged["layers"] and kept["widths_of"] == str(older)
+    with pytest.raises(ValueError, match="tuned per KV head"):
+        module.reallocate(plain, 2.5, one, widths_of=plain)
+    report["layers"][2]["values"] = "nonesuch"
+    (today / "tune.json").write_text(json.dumps({**report, "per_head": False}))
+    with pytest.raises(ValueError, match="layer 2's values 'nonesuch' is none of the candidates"):
+        module.reallocate(older, 2.5, one, widths_of=today)

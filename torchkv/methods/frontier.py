@@ -17,9 +17,10 @@ code (`benchmarks/results/domains/ablations/`). Centring keys by the prompt's pr
 position (`rotary_center`, `predict.rotary_center`) is off: at 2K in prompt mode it gains 1.2-1.6 points on
 every domain at uniform widths, but tuned per head it loses on code (+2.06% at 8K at 2.5 bits): by the tuner's
 measured costs it helps the keys of 18 of SmolLM2's 30 layers and hurts 9. Chosen per head beside uncentred keys
-(`benchmarks/reallocate.py --also`) it meets 4% on every domain at 2.1 bits, at 0.64x the CPU decode speed. No GPU
-kernel takes it. The measurements behind each choice are in `benchmarks/results/frontier/` and
-`benchmarks/results/domains/ablations/`.
+(`benchmarks/reallocate.py --also`) it meets 4% on every domain at 2.1 bits, at 0.64x the CPU decode speed; the GPU
+grid kernel adds its offsets per token. Values in HIGGS codes (`values="higgs"`) are off: on Gemma 3 at 2.5 bits,
+tuned beside uniform values, they gain 1.3 points on code and lose up to 0.6 on wiki (`benchmarks/results/gemma3/`).
+The measurements behind each choice are in `benchmarks/results/frontier/` and `benchmarks/results/domains/ablations/`.
 """
 
 import functools
