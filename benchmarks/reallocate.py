@@ -15,8 +15,9 @@ settings at its width, e.g. keys with and without `rotary_center`, values in uni
 measured per layer against the same full-precision gradients, so the merged allocation is the one a joint
 measurement would make; the candidates two folders share (equal chains) must have equal costs, which checks it.
 
-`--widths-of` keeps each layer's and side's width as a per-layer folder chose it and takes the cheapest candidate of
-that width: which stored form pays at unchanged widths (an ablation; the budget is then the folder's bits).
+`--widths-of` keeps each layer's and side's width as a per-layer folder chose it and allocates among the candidates of
+that width only (the presets' stored forms, and groups where a preset has them): which stored form pays at unchanged
+widths (an ablation; give the folder's budget).
 """
 
 import argparse
@@ -146,7 +147,7 @@ def main() -> None:
     parser.add_argument("--also", type=Path, action="append", default=[],
                         help="a folder tuned from another preset on the same windows: its candidates too (repeatable)")
     parser.add_argument("--widths-of", type=Path, help="a per-layer folder allocated from these folders: keep its "
-                        "widths, take the cheapest candidate of each")
+                        "widths, choose only among candidates of each")
     args = parser.parse_args()
     tuned, report = reallocate(args.src, args.budget, {"k": args.min_key_bits, "v": args.min_value_bits},
                                args.key_weight, tuple(args.also), args.widths_of)
