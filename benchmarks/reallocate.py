@@ -55,9 +55,12 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
     if key_weight <= 0:
         raise ValueError(f"key_weight={key_weight:g}: weight the keys' costs by a positive factor")
     report = json.loads((src / "tune.json").read_text())
+    chosen = None if widths_of is None else json.loads((widths_of / "tune.json").read_text())
+    if chosen is not None and chosen.get("per_head"):
+        raise ValueError(f"--widths-of {widths_of} was tuned per KV head; give a folder tuned per layer")
     model, _ = torchkv.load_model(report["model"])
     per_head = measured_on(report)["per_head"]  # a folder of `torchkv tune --per-head`: its costs by KV head too
-    sources = [(report, "")]
+    sources = [(report, "", src)]
     for folder in also:
         other = json.loads((folder / "tune.json").read_text())
         theirs, ours = measured_on(other), measured_on(report)
@@ -65,14 +68,14 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
             raise ValueError(f"{folder} was tuned on other calibration windows than {src} ("
                              + ", ".join(f"{key} {theirs[key]!r} against {ours[key]!r}" for key in ours)
                              + "): tune both on the same model, domain, --tokens and --seq-len")
-        sources.append((other, f"{other['preset']}/"))
-    pipes = [method(source["preset"]).pipeline.for_model(model) for source, _ in sources]
+        sources.append((other, f"{other['preset']}/", folder))
+    pipes = [method(source["preset"]).pipeline.for_model(model) for source, _, _ in sources]
     config = model.config.get_text_config(decoder=True)
     kept, costs, head_costs = [], [], []
     for layer in range(len(report["sensitivity"])):
         sides, layer_costs, layer_head_costs = {"k": [], "v": []}, {"k": [], "v": []}, {"k": [], "v": []}
         seen: dict[tuple[str, str], tuple[Path, float]] = {}  # each candidate chain's first folder and cost
-        for (source, prefix), pipe, folder in zip(sources, pipes, (src, *also)):
+        for (source, prefix, folder), pipe in zip(sources, pipes):
             options = candidates(pipe.for_layer(layer), config.num_key_value_heads, config_head_dim(config))
             measured = source["sensitivity"][layer]
             for side in ("k", "v"):
@@ -97,8 +100,8 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
         costs.append(layer_costs)
         if per_head:
             head_costs.append(layer_head_costs)
-    if widths_of is not None:
-        kept, costs = of_widths(kept, costs, json.loads((widths_of / "tune.json").read_text()), widths_of)
+    if chosen is not None:
+        kept, costs = of_widths(kept, costs, chosen, widths_of)
     check_budget(budget, *bits_range(kept))
     sensitivity = Sensitivity(pipes[0], kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"],
                               head_costs)
@@ -117,9 +120,8 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
 
 
 def of_widths(kept: list[dict], costs: list[dict], chosen: dict, folder: Path) -> tuple[list[dict], list[dict]]:
-    """Each layer's and side's candidates (and costs) of the width that the per-layer report `chosen` took there."""
-    if chosen.get("per_head"):
-        raise ValueError(f"--widths-of {folder} was tuned per KV head; give a folder tuned per layer")
+    """Each layer's and side's candidates (and costs) of the width that the per-layer report `chosen` (of `folder`)
+    took there."""
     out_kept, out_costs = [], []
     for layer, (sides, layer_costs) in enumerate(zip(kept, costs)):
         picked, narrowed, narrowed_costs = chosen["layers"][layer], {}, {}
