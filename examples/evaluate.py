@@ -24,9 +24,10 @@ def main(argv: list[str] | None = None) -> None:
         new_tokens=8,
     )
     names = args.presets.split(",") + ([] if args.no_baselines else ["quanto-4bit", "quanto-2bit"])
-    results = run_eval("smollm2-135m", names, settings, Path(args.out), progress=False)
+    out = Path(args.out)
+    results = run_eval("smollm2-135m", names, settings, out, progress=False)
     print(markdown_table(results))
-    for path in plots(results, Path(args.out).parent):
+    for path in plots(results, out.parent, out.stem):
         print(f"wrote {path}")
 
 

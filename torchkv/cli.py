@@ -111,7 +111,7 @@ def _write_report(results: dict, out_dir: Path, stem: str) -> None:
     table = (module or report).markdown_table(results)
     (out_dir / (stem + ".md")).write_text(table + "\n")
     print(table)
-    for path in report.plots(results, out_dir) if module is None else module.plots(results, out_dir, stem):
+    for path in (module or report).plots(results, out_dir, stem):
         print(f"wrote {path}")
 
 

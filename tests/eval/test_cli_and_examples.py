@@ -103,7 +103,7 @@ def test_evaluate_example(tmp_path, script):
     # the quanto baselines' rows are run_eval's (tests/eval/test_eval.py); here they would double the time
     printed = script("examples/evaluate.py", "--context", "256", "--cases", "2", "--presets", "kivi-4bit",
                       "--no-baselines", "--out", str(out))
-    assert out.is_file() and (tmp_path / "ppl_vs_bits.png").is_file()
+    assert out.is_file() and (tmp_path / "e_ppl_vs_bits.png").is_file()
     assert "| kivi-4bit |" in printed and "| dynamic |" in printed and "| quanto" not in printed
 
 

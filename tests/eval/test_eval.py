@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,8 +164,8 @@ def test_run_eval_writes_rows_as_they_finish(tmp_path, monkeypatch):
     tuned = {**saved, "rows": [*saved["rows"], {**row, "name": "tuned:kivi-2bit@2.5"}]}
     assert f"tuned on the calibration split of {saved['meta']['settings']['tune_domain']}." in markdown_table(tuned)
     assert "Pareto" in table and "| kivi-4bit |" in table.split("Pareto")[1]
-    written = plots(saved, tmp_path)
-    assert {p.name for p in written} == {"ppl_vs_bits.png", "decode_speed.png", "pareto.png"}
+    written = plots(saved, tmp_path, "e")
+    assert {p.name for p in written} == {"e_ppl_vs_bits.png", "e_decode_speed.png", "e_pareto.png"}
     assert all(p.stat().st_size > 10_000 for p in written)
 
 
@@ -206,4 +207,20 @@ def test_tuned_rows_are_drawn_as_one_curve_per_starting_row(tmp_path):
     curves = tuned_curves([(p["name"], p["bits"], p["ppl_increase"]) for p in pareto_points(results)])
     assert curves == {"kivi-2bit": [(pytest.approx(2), pytest.approx(9)), (pytest.approx(3), pytest.approx(4))],
                       "frontier-2bit": [(pytest.approx(2), pytest.approx(2))]}
-    assert {p.name for p in plots(results, tmp_path)} == {"ppl_vs_bits.png", "decode_speed.png", "pareto.png"}
+    first = plots(results, tmp_path, "first")
+    # a second results file written to the same folder keeps the first one's plots
+    second = plots({**results, "rows": rows[:2]}, tmp_path, "second")
+    assert {p.name for p in first} == {"first_ppl_vs_bits.png", "first_decode_speed.png", "first_pareto.png"}
+    assert {p.name for p in second} == {"second_ppl_vs_bits.png", "second_decode_speed.png", "second_pareto.png"}
+    assert all(p.is_file() for p in first) and [p.read_bytes() for p in first] != [p.read_bytes() for p in second]
+
+
+def test_a_speed_only_run_reports_its_speed_without_perplexity_plots(tmp_path):
+    """`torchkv eval --ppl-docs none` (a committed run of it): no streaming perplexity, so no perplexity plot and
+    no Pareto table, and the speed is still reported."""
+    committed = Path(__file__).parents[2] / "benchmarks/results/frontier/eval_smollm2_speed.json"
+    results = json.loads(committed.read_text())
+    assert results["meta"]["settings"]["ppl_docs"] == {}
+    table = markdown_table(results)
+    assert pareto_points(results) == [] and "Pareto" not in table and "| frontier-2bit |" in table
+    assert [p.name for p in plots(results, tmp_path, "speed")] == ["speed_decode_speed.png"]

@@ -145,9 +145,9 @@ def markdown_table(results: dict) -> str:
         "large batches), the steady state shows what compression buys." + _domains_note(meta, rows),
     ]
     if pareto_points(results):
-        lines += ["", "Pareto (`pareto.png`): a row is on a frontier when no row with as few bits or fewer beats it "
-                  "there; the last column lists rows ahead of it on quality and speed at once with as few bits "
-                  "or fewer.", "", pareto_table(results)]
+        lines += ["", "Pareto (plotted in `<results>_pareto.png`): a row is on a frontier when no row with as few bits "
+                  "or fewer beats it there; the last column lists rows ahead of it on quality and speed at once "
+                  "with as few bits or fewer.", "", pareto_table(results)]
     return "\n".join(lines)
 
 
@@ -157,7 +157,7 @@ def pareto_points(results: dict) -> list[dict]:
     `speed_frontier`: no other row has as few bits or fewer and a lower increase (a higher speed); `dominated_by`:
     rows with as few bits or fewer that are ahead on quality and speed at once."""
     ref = _reference(results)
-    if not ref or not ref.get("ppl") or not ref.get("generation"):
+    if not ref or not ref.get("ppl", {}).get("streaming") or not ref.get("generation"):
         return []
     ctx = next(iter(ref["ppl"]["streaming"]))
     ref_speed = longest(ref)["decode_tokens_per_s"]
@@ -208,7 +208,7 @@ def _draw_tuned(ax, points: list[tuple[str, float, float]]) -> None:
         ax.plot(*zip(*line), marker=".", linewidth=1.2, alpha=0.8, label=f"tuned {start} (budget sweep)")
 
 
-def _pareto_plot(results: dict, out_dir: Path, plt) -> Path | None:
+def _pareto_plot(results: dict, out_dir: Path, stem: str, plt) -> Path | None:
     """Two panels against cache bits per value: perplexity increase, and decode speed; frontiers drawn."""
     points = pareto_points(results)
     if not points:
@@ -236,14 +236,14 @@ def _pareto_plot(results: dict, out_dir: Path, plt) -> Path | None:
     axes[0].set_yscale("symlog", linthresh=1.0)
     fig.suptitle(f"Quality, memory and speed — {meta['model']} ({meta['machine']['cpu_count']} CPU cores), one run")
     fig.tight_layout()
-    path = out_dir / "pareto.png"
+    path = out_dir / f"{stem}_pareto.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def _ppl_plot(results: dict, ref: dict, out_dir: Path, plt) -> Path:
-    """Perplexity increase (streaming, the first context) against measured bits per value: `ppl_vs_bits.png`."""
+def _ppl_plot(results: dict, ref: dict, out_dir: Path, stem: str, plt) -> Path:
+    """Perplexity increase (streaming, the first context) against measured bits per value: `<stem>_ppl_vs_bits.png`."""
     import matplotlib.ticker
 
     ctx = next(iter(ref["ppl"]["streaming"]))
@@ -269,14 +269,15 @@ def _ppl_plot(results: dict, ref: dict, out_dir: Path, plt) -> Path:
     ax.set_title(f"Quality vs memory — {results['meta']['model']}, {ctx}-token documents, streaming")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    path = out_dir / "ppl_vs_bits.png"
+    path = out_dir / f"{stem}_ppl_vs_bits.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def plots(results: dict, out_dir: str | Path) -> list[Path]:
-    """ppl increase vs bits per value, and decode tokens/s vs context length."""
+def plots(results: dict, out_dir: str | Path, stem: str) -> list[Path]:
+    """`<stem>_ppl_vs_bits.png`, `<stem>_decode_speed.png` (tokens/s against context) and `<stem>_pareto.png`: named
+    after the results file, so that runs written to one folder keep their own plots."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,8 +288,8 @@ def plots(results: dict, out_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     ref = _reference(results)
     written = []
-    if ref and ref.get("ppl"):
-        written.append(_ppl_plot(results, ref, out_dir, plt))
+    if ref and ref.get("ppl", {}).get("streaming"):
+        written.append(_ppl_plot(results, ref, out_dir, stem, plt))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     drew = False
     for row in results["rows"]:
@@ -305,9 +306,9 @@ def plots(results: dict, out_dir: str | Path) -> list[Path]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / "decode_speed.png"
+        path = out_dir / f"{stem}_decode_speed.png"
         fig.savefig(path, dpi=120)
         written.append(path)
     plt.close(fig)
-    pareto = _pareto_plot(results, out_dir, plt)
+    pareto = _pareto_plot(results, out_dir, stem, plt)
     return written + ([pareto] if pareto else [])
