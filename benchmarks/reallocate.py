@@ -32,6 +32,7 @@ import torchkv
 from torchkv._compat import config_head_dim
 from torchkv.eval.rows import method
 from torchkv.fitting.tuning import Sensitivity, bits_range, candidates, check_budget, tuned_for_model
+from torchkv.models.arch import full_layers
 from torchkv.pipeline import Chain
 from torchkv.pipeline.chain import chain_spec
 
@@ -102,7 +103,7 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
             head_costs.append(layer_head_costs)
     if chosen is not None:
         kept, costs = of_widths(kept, costs, chosen, widths_of)
-    check_budget(budget, *bits_range(kept))
+    check_budget(budget, *bits_range(kept, full_layers(model)))
     sensitivity = Sensitivity(pipes[0], kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"],
                               head_costs)
     tuned, out = tuned_for_model(sensitivity, model, budget, per_head)
@@ -155,7 +156,9 @@ def main() -> None:
                                args.key_weight, tuple(args.also), args.widths_of)
     tuned.save_pretrained(args.out)
     (args.out / "tune.json").write_text(json.dumps(report, indent=2))
-    print(f"{report['bits_per_value']:.4g} stored bits per value, predicted KL {report['predicted_kl']:.4g}; "
+    full = report.get("full_layer_bits_per_value")
+    beyond = "" if full is None else f" ({full:.4g} in the layers without a sliding window)"
+    print(f"{report['bits_per_value']:.4g} stored bits per value{beyond}, predicted KL {report['predicted_kl']:.4g}; "
           f"wrote {args.out}")
     for layer in report["layers"]:
         print(f"layer {layer['layer']}: keys {layer['keys']}, values {layer['values']}")

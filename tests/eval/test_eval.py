@@ -1,5 +1,6 @@
 """The evaluation harness on the real model, with small samples."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -224,3 +225,31 @@ def test_a_speed_only_run_reports_its_speed_without_perplexity_plots(tmp_path):
     table = markdown_table(results)
     assert pareto_points(results) == [] and "Pareto" not in table and "| frontier-2bit |" in table
     assert [p.name for p in plots(results, tmp_path, "speed")] == ["speed_decode_speed.png"]
+
+
+def test_a_model_with_sliding_layers_reports_the_full_layers_bits_beside_the_mean():
+    """A per-layer pipeline on a model whose sliding-window layers hold at most their window: the row records the
+    mean bits over its full layers, what the cache's bits per value tend to past the window, and the table shows
+    it after the mean over layers."""
+    from torchkv.pipeline import KVPipeline
+    from torchkv.testing import tiny_model
+
+    model = tiny_model("gemma3_text", layers=2, sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+    base = KVPipeline.from_preset("kivi-2bit", residual=16)
+    wide = KVPipeline.from_preset("kivi-4bit", residual=16)
+    pipe = KVPipeline(base.keys, base.values, layers={1: (wide.keys, wide.values)}, residual=16, sinks=base.sinks,
+                      chunk=base.chunk)
+    row = method("kivi-2bit")
+    row.pipeline = pipe
+    settings = EvalSettings(ppl_docs={}, retrieval_contexts=(), speed_contexts=())
+    measured = runner.evaluate_row(model, None, row, settings, {}, progress=False)
+    mean, full = (measured[key]["keys"] for key in ("bits_per_value", "full_layer_bits_per_value"))
+    assert full == pytest.approx(5.0) and mean == pytest.approx((3.0 + 5.0) / 2)
+    plain = runner.evaluate_row(tiny_model("llama", layers=2), None, row, settings, {}, progress=False)
+    assert "full_layer_bits_per_value" not in plain
+    results = {"meta": {"reference": "dynamic", "values_per_token": 1, "model": "m", "dtype": "float32",
+                        "torch": "t", "transformers": "t", "machine": {"cpu": "c", "cpu_count": 2},
+                        "settings": dataclasses.asdict(settings)},
+               "rows": [{"name": "dynamic", "kind": "dynamic", "ppl": {"streaming": {}}}, measured]}
+    table = markdown_table(results)
+    assert "| 4.00 / 5.00 |" in table and "tend to the second past it" in table

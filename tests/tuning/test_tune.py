@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 import torchkv
 import torchkv.transforms as T
 from torchkv.models import cache_argument
+from torchkv.models.arch import full_layers
 from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.testing import tiny_model
 from torchkv.fitting.tuning import CANDIDATE_BITS, candidates, measure, tune, tuned_for_model, tuned_pipeline
@@ -363,3 +364,26 @@ def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_be
     (today / "tune.json").write_text(json.dumps({**report, "per_head": False}))
     with pytest.raises(ValueError, match="layer 2's values 'nonesuch' is none of the candidates"):
         module.reallocate(older, 2.5, one, widths_of=today)
+
+
+def test_a_model_with_sliding_layers_is_tuned_within_the_budget_at_every_context():
+    """Gemma 3's sliding-window layers hold at most their window and its other layers every token, so its cache's
+    bits per value move from the mean over layers (short contexts) to the mean over the full layers (long ones):
+    tuning holds both within the budget. Measured on the cache after a prompt four windows long."""
+    kinds = ["sliding_attention", "full_attention"] * 2
+    model = tiny_model("gemma3_text", layers=4, sliding_window=64, layer_types=kinds)
+    full = [1, 3]
+    assert full_layers(model) == full and 0 < len(full) < 4 and full_layers(tiny_model("llama", layers=4)) == []
+    pipe = KVPipeline.from_preset("frontier-2bit", residual=16)
+    measured = measure(pipe.for_model(model), model, IDS, progress=False)
+    tuned, report = tuned_for_model(measured, model, 2.5)
+    assert report["full_layers"] == full
+    assert report["bits_per_value"] <= 2.5 + 1e-9 and report["full_layer_bits_per_value"] <= 2.5 + 1e-9
+    assert tuned_pipeline(measured, 2.5)[1]["predicted_kl"] <= report["predicted_kl"] + 1e-12  # one bound fewer
+    tuned.compile = False
+    with torchkv.patched(model, tuned), torch.no_grad():
+        cache = torchkv.new_cache(model)
+        model(IDS[:1], **cache_argument(model, cache))
+        held = [layer.store.length for layer in cache.layers]
+        assert min(held[i] for i in full) > 2 * max(n for i, n in enumerate(held) if i not in full)
+        assert cache.encoded_bits_per_value() <= 2.5 + 1e-9

@@ -33,9 +33,15 @@ def _num(x, spec: str = ".2f") -> str:
     return "–" if x is None else format(x, spec)
 
 
-def _encoded_bits(row: dict) -> float | None:
-    bits = row.get("bits_per_value")
+def _encoded_bits(row: dict, key: str = "bits_per_value") -> float | None:
+    bits = row.get(key)
     return None if not bits else (bits["keys"] + bits["values"]) / 2
+
+
+def _encoded_cell(row: dict) -> str:
+    """The mean over layers, and where the model has sliding-window layers, " / " the mean over its full layers."""
+    full = _encoded_bits(row, "full_layer_bits_per_value")
+    return _num(_encoded_bits(row)) + ("" if full is None else f" / {full:.2f}")
 
 
 def _column(key: str, keys: list[str]) -> str:
@@ -114,7 +120,7 @@ def markdown_table(results: dict) -> str:
     for row in rows:
         gens = {g["context"]: g for g in row.get("generation", [])}
         first = gens.get(gen_ctx[0]) if gen_ctx else None
-        cells = [_row_label(row), _num(cache_bits(results, row)), _num(_encoded_bits(row))]
+        cells = [_row_label(row), _num(cache_bits(results, row)), _encoded_cell(row)]
         cells += [_ppl_cell(row, ref, mode, ctx) for mode, ctx in ppl_cols]
         cells += [_retrieval_cell(row, c) for c in ret_cols]
         if gen_ctx:
@@ -136,8 +142,11 @@ def markdown_table(results: dict) -> str:
         f"{meta['machine']['cpu']} ({meta['machine']['cpu_count']} cores). ppl streaming: {first}blocks of "
         f"{meta['settings']['block']} tokens read the compressed history{scored}; simulated: every token is read "
         "compressed (no full-precision window, no sinks). Increases are against the full-precision DynamicCache "
-        "row. bits/value (cache): all cache bytes (windows, metadata) per cached value at the generation context; "
-        "(encoded): compressed tokens only; both at the longest speed context. Speed, batch 1, graphs already "
+        "row. bits/value (cache): all cache bytes (windows, metadata) per cached value at the longest speed context; "
+        "(encoded): stored bits per compressed value (metadata included) of one encoded chunk, the mean over layers"
+        + (", then over the layers without a sliding window: a cache's bits per value are the first up to the "
+           "window and tend to the second past it" if any(r.get("full_layer_bits_per_value") for r in rows) else "")
+        + ". Speed, batch 1, graphs already "
         "compiled: a short generation is the prefill and every decode step of one answer, end to end (ratio: "
         "DynamicCache's time over the row's); "
         f"steady-state decode times {meta['settings']['new_tokens']} steps after untimed warm-up "

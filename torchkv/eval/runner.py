@@ -18,6 +18,7 @@ from torchkv.eval.perplexity import perplexity
 from torchkv.eval.retrieval import cases, retrieval
 from torchkv.eval.rows import Method, method
 from torchkv.eval.speed import generation_profile
+from torchkv.models.arch import full_layers
 from torchkv.models.loader import load_model
 from torchkv.version import __version__
 
@@ -119,8 +120,12 @@ def evaluate_row(model, tokenizer, row: Method, settings: EvalSettings, scored: 
     if row.tune_report is not None:
         out["tuning"] = row.tune_report
     if row.pipeline is not None:
-        out["bits_per_value"] = dataclasses.asdict(row.pipeline.for_model(model).bits_per_value(
-            config.num_key_value_heads, head_dim, layers=config.num_hidden_layers))
+        pipe = row.pipeline.for_model(model)
+        out["bits_per_value"] = dataclasses.asdict(pipe.bits_per_value(config.num_key_value_heads, head_dim,
+                                                                       layers=config.num_hidden_layers))
+        if full := full_layers(model):  # what the cache's bits per value tend to beyond the sliding window
+            out["full_layer_bits_per_value"] = dataclasses.asdict(pipe.bits_per_value(config.num_key_value_heads,
+                                                                                      head_dim, layers=full))
     started = time.perf_counter()
     modes = ["streaming"] + (["simulated"] if settings.simulated and row.kind == "torchkv" else [])
     out["ppl"] = {

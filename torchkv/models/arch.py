@@ -133,6 +133,15 @@ def sliding_windows(model: nn.Module) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
+def full_layers(model: nn.Module) -> list[int]:
+    """The layers that hold every token, where the model also has sliding-window layers (which hold at most their
+    window): the cache's bits per value tend to their mean at contexts past the window. Empty where every layer
+    holds the same tokens."""
+    windows = sliding_windows(model)
+    full = [i for i, window in enumerate(windows) if window is None]
+    return full if len(full) < len(windows) else []
+
+
 @contextlib.contextmanager
 def swapped_attention(
     model: nn.Module, name: str, attention: Callable, pre_hooks: Sequence[tuple[nn.Module, Callable]] = (),

@@ -46,18 +46,19 @@ def measure(pipe, kv_heads: int, head_dim: int, seed: int, layer: int) -> BitsPe
     return BitsPerValue(8 * nbytes(substate(state, "k.")) / n, 8 * nbytes(substate(state, "v.")) / n)
 
 
-def bits_per_value(pipeline, kv_heads: int, head_dim: int, seed: int, layers: int) -> BitsPerValue:
+def bits_per_value(pipeline, kv_heads: int, head_dim: int, seed: int, layers: int | list[int]) -> BitsPerValue:
     """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors and
-    averaged over a model's first `layers` layers (each encoded by its own chains, `layers`); with `layers=1`
-    and per-layer chains, those of the main chains."""
+    averaged over a model's first `layers` layers, or over the layers listed (each encoded by its own chains,
+    `layers`); with `layers=1` and per-layer chains, those of the main chains."""
     if layers == 1 and pipeline.layer_chains:
         main = next(i for i in range(len(pipeline.layer_chains) + 1) if i not in pipeline.layer_chains)
         return measure(pipeline, kv_heads, head_dim, seed, main)
+    among = range(layers) if isinstance(layers, int) else layers
     measured: dict[int, BitsPerValue] = {}
     per_layer = []
-    for i in range(layers):
+    for i in among:
         pipe = pipeline.for_layer(i)
         if id(pipe) not in measured:
             measured[id(pipe)] = measure(pipe, kv_heads, head_dim, seed, i)
         per_layer.append(measured[id(pipe)])
-    return BitsPerValue(sum(b.keys for b in per_layer) / layers, sum(b.values for b in per_layer) / layers)
+    return BitsPerValue(sum(b.keys for b in per_layer) / len(among), sum(b.values for b in per_layer) / len(among))

@@ -280,9 +280,10 @@ class KVPipeline:
 
     # -- accounting ----------------------------------------------------------------------------------
 
-    def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0, layers: int = 1) -> BitsPerValue:
+    def bits_per_value(self, kv_heads: int = 1, head_dim: int = 64, seed: int = 0, layers: int | list[int] = 1
+                       ) -> BitsPerValue:
         """Stored bits per value of one encoded chunk of Gaussian data, measured on the real state tensors and
-        averaged over a model's first `layers` layers (`pipeline.bits.bits_per_value`)."""
+        averaged over a model's first `layers` layers, or the layers listed (`pipeline.bits.bits_per_value`)."""
         return bits.bits_per_value(self, kv_heads, head_dim, seed, layers)
 
     # -- persistence ---------------------------------------------------------------------------------

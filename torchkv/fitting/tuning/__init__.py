@@ -3,12 +3,18 @@
 Each layer's keys and values may take any candidate width of the pipeline's own chains (`candidates`); the cost
 of each is its estimated next-token KL divergence on calibration text (`sensitivity`), and the choice that
 minimises the summed cost within the budget of stored bits per value is exact (`allocate`).
+
+A model with sliding-window layers (Gemma 2 and 3) holds at most a window of tokens in those, and every token in
+its other layers: its cache's bits per value are the mean over layers while the context is within the window, and
+tend to the mean over the full layers beyond it. Both means are kept within the budget, so the budget holds at every
+context.
 """
 
 import collections
 import json
 import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -16,6 +22,7 @@ from torchkv import registry
 from torchkv._compat import config_head_dim
 from torchkv.corpora import DEFAULT_DOMAIN
 from torchkv.memory import peak_rss, reset_peak
+from torchkv.models.arch import full_layers
 from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.pipeline.presets import spelling
 from torchkv.fitting.tuning.allocate import allocate
@@ -49,14 +56,15 @@ def reachable(pipe: KVPipeline, model) -> tuple[float, float]:
     """Least and most stored bits per value (mean over layers, keys and values) the candidates reach on `model`."""
     config = model.config.get_text_config(decoder=True)
     return bits_range(layer_candidates(pipe, config.num_hidden_layers, config.num_key_value_heads,
-                                       config_head_dim(config)))
+                                       config_head_dim(config)), full_layers(model))
 
 
-def bits_range(options: list[dict[str, list[Candidate]]]) -> tuple[float, float]:
+def bits_range(options: list[dict[str, list[Candidate]]], full: Sequence[int] = ()) -> tuple[float, float]:
     """Least and most stored bits per value (mean over layers, keys and values) of each layer's candidates by side,
-    cheapest first."""
-    ends = [sum(side[end].bits for layer in options for side in layer.values()) / (2 * len(options)) for end in (0, -1)]
-    return ends[0], ends[1]
+    cheapest first; the least is also the least mean over the layers `full`, where given (a budget holds both)."""
+    ends = [[sum(side[end].bits for layer in part for side in layer.values()) / (2 * len(part)) for end in (0, -1)]
+            for part in (options, [options[i] for i in full]) if part]
+    return max(low for low, _ in ends), ends[0][1]
 
 
 def check_budget(budget: float, low: float, high: float) -> None:
@@ -65,11 +73,12 @@ def check_budget(budget: float, low: float, high: float) -> None:
                          f"reach {low:.4g} to {high:.4g} bits per value (full precision is {FULL_PRECISION:g})")
 
 
-def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = False) -> tuple[KVPipeline, dict[str, Any]]:
+def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = False, full: Sequence[int] = ()
+                   ) -> tuple[KVPipeline, dict[str, Any]]:
     """The pipeline whose per-layer, per-side candidates (`per_head`: per layer, side and KV head, from
     `Sensitivity.head_costs`) minimise the summed estimated KL within `budget` stored bits per value (mean over
-    layers, keys and values, and heads), and a report of the choice. A side whose heads take different candidates
-    is stored as `HeadGroups`, one group per candidate."""
+    layers, keys and values, and heads; and over the layers `full`, see the module docstring), and a report of the
+    choice. A side whose heads take different candidates is stored as `HeadGroups`, one group per candidate."""
     base = sensitivity.pipeline
     if per_head and not sensitivity.head_costs:
         raise ValueError("per-head widths need the sensitivity split by KV head, which a sensitivity read back from a "
@@ -80,7 +89,7 @@ def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = Fal
     bits = [[c.bits for c in sensitivity.candidates[layer][side]] for layer, side, _ in items]
     costs = [[float(c[h]) for c in sensitivity.head_costs[layer][side]] if per_head else sensitivity.costs[layer][side]
              for layer, side, h in items]
-    picked = allocate(bits, costs, budget)
+    picked = allocate(bits, costs, budget, within=[i for i, (layer, _, _) in enumerate(items) if layer in set(full)])
     item_costs = dict(zip(items, costs))
     choice: dict[tuple[int, str], list[int]] = collections.defaultdict(list)  # each head's candidate, by layer, side
     for (layer, side, _), j in zip(items, picked):
@@ -119,6 +128,9 @@ def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = Fal
         "budget": budget,
         "per_head": per_head,
         "bits_per_value": sum(b[j] for b, j in zip(bits, picked)) / len(items),
+        **({"full_layers": list(full),
+            "full_layer_bits_per_value": sum(k["bits"] + v["bits"] for i, k, v in rows if i in full) / (2 * len(full))}
+           if full else {}),
         "predicted_kl": sum(c[j] for c, j in zip(costs, picked)),
         "layers": [{"layer": i, "keys": k["label"], "values": v["label"], "key_bits": k["bits"],
                     "value_bits": v["bits"], "key_kl": k["kl"], "value_kl": v["kl"]} for i, k, v in rows],
@@ -174,7 +186,7 @@ def tuned_for_model(sensitivity: Sensitivity, model, budget: float, per_head: bo
     """`tuned_pipeline`, marked as tuned for `model`, with the measurement in its report (what `tune.json` holds)."""
     from torchkv.models.arch import fingerprint
 
-    tuned, report = tuned_pipeline(sensitivity, budget, per_head)
+    tuned, report = tuned_pipeline(sensitivity, budget, per_head, full_layers(model))
     tuned.tuned_for = fingerprint(model)
     report.update(
         preset=spelling(sensitivity.pipeline), tokens=sensitivity.tokens, seq_len=sensitivity.seq_len,
