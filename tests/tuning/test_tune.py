@@ -206,6 +206,8 @@ def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():
         tune(KVPipeline.from_preset("aquakv-2bit"), model, IDS, budget=2.5, progress=False)
     with pytest.raises(ValueError, match=r"windows of 24 tokens store no token encoded .* at least 32 tokens"):
         tune(pipe, model, IDS[:, :24], budget=2.6, progress=False)  # 16 exact + a 16-token chunk
+    with pytest.raises(ValueError, match="gemma2 soft-caps its attention logits.*use a preset"):
+        tune(pipe, tiny_model("gemma2", layers=2, sliding_window=64), IDS, budget=2.6, progress=False)
 
 
 @settings(max_examples=25, deadline=None)
