@@ -31,7 +31,7 @@ import torch
 import torchkv
 from torchkv._compat import config_head_dim
 from torchkv.eval.rows import method
-from torchkv.fitting.tuning import Sensitivity, bits_range, candidates, check_budget, tuned_for_model
+from torchkv.fitting.tuning import Sensitivity, bits_range, candidates, check_budget, stored_bits, tuned_for_model
 from torchkv.models.arch import full_layers
 from torchkv.pipeline import Chain
 from torchkv.pipeline.chain import chain_spec
@@ -156,10 +156,7 @@ def main() -> None:
                                args.key_weight, tuple(args.also), args.widths_of)
     tuned.save_pretrained(args.out)
     (args.out / "tune.json").write_text(json.dumps(report, indent=2))
-    full = report.get("full_layer_bits_per_value")
-    beyond = "" if full is None else f" ({full:.4g} in the layers without a sliding window)"
-    print(f"{report['bits_per_value']:.4g} stored bits per value{beyond}, predicted KL {report['predicted_kl']:.4g}; "
-          f"wrote {args.out}")
+    print(f"{stored_bits(report)}, predicted KL {report['predicted_kl']:.4g}; wrote {args.out}")
     for layer in report["layers"]:
         print(f"layer {layer['layer']}: keys {layer['keys']}, values {layer['values']}")
 

@@ -181,7 +181,7 @@ def _tune(args) -> None:
     import torchkv
     from torchkv.corpora import split_articles
     from torchkv.eval.rows import method
-    from torchkv.fitting.tuning import tune
+    from torchkv.fitting.tuning import stored_bits, tune
 
     pipe = method(args.preset).pipeline  # a preset, with overrides after colons, or a calibrated folder
     if pipe is None:
@@ -195,12 +195,9 @@ def _tune(args) -> None:
     tuned.save_pretrained(out)
     (out / "tune.json").write_text(json.dumps({"model": args.model, **report}, indent=2))
     print(tuned)
-    full = report.get("full_layer_bits_per_value")
-    beyond = "" if full is None else f", {full:.4g} in its layers without a sliding window (beyond the window)"
-    print(f"tuned '{args.preset}' to {report['bits_per_value']:.4g} stored bits per value{beyond} (budget "
-          f"{args.budget:g}; predicted KL {report['predicted_kl']:.4g} nats per token) on {report['tokens']} "
-          f"calibration tokens of '{args.domain}' in {report['seconds']:.0f} s (peak RSS "
-          f"{report['peak_rss_mib']:.0f} MiB); wrote {out}. "
+    print(f"tuned '{args.preset}' to {stored_bits(report)} (budget {args.budget:g}; predicted KL "
+          f"{report['predicted_kl']:.4g} nats per token) on {report['tokens']} calibration tokens of "
+          f"'{args.domain}' in {report['seconds']:.0f} s (peak RSS {report['peak_rss_mib']:.0f} MiB); wrote {out}. "
           f"Use it with torchkv.patch(model, {str(out)!r}) or torchkv eval --presets {out}")
 
 

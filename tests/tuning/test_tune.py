@@ -16,7 +16,8 @@ from torchkv.models import cache_argument
 from torchkv.models.arch import full_layers
 from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.testing import tiny_model
-from torchkv.fitting.tuning import CANDIDATE_BITS, candidates, measure, tune, tuned_for_model, tuned_pipeline
+from torchkv.fitting.tuning import (CANDIDATE_BITS, candidates, measure, stored_bits, tune, tuned_for_model,
+                                    tuned_pipeline)
 from torchkv.fitting.tuning.candidates import layer_candidates, rewidth
 from torchkv.fitting.tuning.sensitivity import (Probe, _exposed_gradients, _probed, _sampled_gradients, exposed_pairs,
                                                 read_weights)
@@ -380,6 +381,9 @@ def test_a_model_with_sliding_layers_is_tuned_within_the_budget_at_every_context
     measured = measure(pipe.for_model(model), model, IDS, progress=False)
     tuned, report = tuned_for_model(measured, model, 2.5)
     assert report["full_layers"] == full
+    assert stored_bits(report).endswith(f"({report['full_layer_bits_per_value']:.4g} in the layers without a sliding "
+                                        "window)")
+    assert stored_bits({"bits_per_value": 2.5}) == "2.5 stored bits per value"
     assert report["bits_per_value"] <= 2.5 + 1e-9 and report["full_layer_bits_per_value"] <= 2.5 + 1e-9
     assert tuned_pipeline(measured, 2.5)[1]["predicted_kl"] <= report["predicted_kl"] + 1e-12  # one bound fewer
     tuned.compile = False

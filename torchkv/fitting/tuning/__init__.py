@@ -38,7 +38,7 @@ SEQ_LEN = 2048
 
 __all__ = ["CANDIDATE_BITS", "SEQ_LEN", "Candidate", "Sensitivity", "candidates", "measure", "allocate", "tune", "tuned_pipeline",
            "tuned_for_model", "check_tunable", "check_budget", "reachable", "bits_range", "calibration_sensitivity",
-           "tuned_on_calibration_split"]
+           "tuned_on_calibration_split", "stored_bits"]
 
 
 def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
@@ -75,6 +75,13 @@ def check_budget(budget: float, low: float, high: float) -> None:
     if not low <= budget <= FULL_PRECISION:
         raise ValueError(f"budget={budget:g} bits per value is outside what tuning can meet: the candidate settings "
                          f"reach {low:.4g} to {high:.4g} bits per value (full precision is {FULL_PRECISION:g})")
+
+
+def stored_bits(report: dict[str, Any]) -> str:
+    """A tuning report's stored bits per value, and where the model has sliding-window layers, its full layers'."""
+    full = report.get("full_layer_bits_per_value")
+    beyond = "" if full is None else f" ({full:.4g} in the layers without a sliding window)"
+    return f"{report['bits_per_value']:.4g} stored bits per value{beyond}"
 
 
 def tuned_pipeline(sensitivity: Sensitivity, budget: float, per_head: bool = False, full: Sequence[int] = ()
