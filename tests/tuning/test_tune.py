@@ -207,8 +207,6 @@ def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():
         tune(KVPipeline.from_preset("aquakv-2bit"), model, IDS, budget=2.5, progress=False)
     with pytest.raises(ValueError, match=r"windows of 24 tokens store no token encoded .* at least 32 tokens"):
         tune(pipe, model, IDS[:, :24], budget=2.6, progress=False)  # 16 exact + a 16-token chunk
-    with pytest.raises(ValueError, match="gemma2 soft-caps its attention logits.*use a preset"):
-        tune(pipe, tiny_model("gemma2", layers=2, sliding_window=64), IDS, budget=2.6, progress=False)
 
 
 @settings(max_examples=25, deadline=None)
@@ -223,10 +221,18 @@ def test_exposed_pairs_are_the_keys_each_decode_step_reads_encoded(tokens, sinks
         assert exposed[query].tolist() == [sinks <= key < sinks + encoded for key in range(tokens)]
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads):
-    """With every causal pair exposed, the gradients equal autograd's through SDPA over perturbed keys and values;
-    with none exposed, they are zero; a pair's exposure moves only its own key's gradient."""
+def _softcapped_attention(q, k, v, scale: float, softcap: float) -> torch.Tensor:
+    """Causal attention with logits `softcap·tanh(s/softcap)`, as Gemma 2's eager attention, `[B, Hq, T, D]`."""
+    scores = softcap * torch.tanh(scale * q @ k.transpose(-1, -2) / softcap)
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("kv_heads,softcap", [(1, None), (2, None), (2, 1.5)])
+def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads, softcap):
+    """With every causal pair exposed, the gradients equal autograd's through SDPA (soft-capped attention where the
+    model soft-caps its logits) over perturbed keys and values; with none exposed, they are zero; a pair's exposure
+    moves only its own key's gradient."""
     g = torch.Generator().manual_seed(0)
     b, hq, t, d = 2, 4, 300, 16
     q, k, v = torch.randn(b, hq, t, d, generator=g), torch.randn(b, kv_heads, t, d, generator=g), \
@@ -234,10 +240,17 @@ def test_exposed_gradients_of_every_pair_are_the_attention_gradients(kv_heads):
     out_grad = torch.randn(b, t, hq, d, generator=g)
     dk, dv = (torch.zeros_like(x, requires_grad=True) for x in (k, v))
     groups = hq // kv_heads
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, (k + dk).repeat_interleave(groups, 1), (v + dv).repeat_interleave(groups, 1), is_causal=True)
+    keys, values = (k + dk).repeat_interleave(groups, 1), (v + dv).repeat_interleave(groups, 1)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True)
+    else:
+        out = _softcapped_attention(q, keys, values, d**-0.5, softcap)
     (out.transpose(1, 2) * out_grad).sum().backward()
-    probe = Probe(q, k, v, None, d**-0.5, torch.zeros(b, t, hq, d))
+    probe = Probe(q, k, v, None, d**-0.5, torch.zeros(b, t, hq, d), softcap=softcap)
+    if softcap is not None:  # the capping changes the gradients: without it they differ
+        uncapped = _exposed_gradients(dataclasses.replace(probe, softcap=None), out_grad,
+                                      torch.ones(t, t, dtype=torch.bool).tril())[0]
+        assert not torch.allclose(uncapped, dk.grad, atol=1e-2, rtol=1e-2)
     every = torch.ones(t, t, dtype=torch.bool).tril()
     g_k, g_v = _exposed_gradients(probe, out_grad, every)
     torch.testing.assert_close(g_k, dk.grad, atol=1e-4, rtol=1e-4)
@@ -369,12 +382,31 @@ def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_be
         module.reallocate(older, 2.5, one, widths_of=today)
 
 
-def test_a_model_with_sliding_layers_is_tuned_within_the_budget_at_every_context():
-    """Gemma 3's sliding-window layers hold at most their window and its other layers every token, so its cache's
-    bits per value move from the mean over layers (short contexts) to the mean over the full layers (long ones):
-    tuning holds both within the budget. Measured on the cache after a prompt four windows long."""
+def test_probed_attention_is_the_models_own_with_its_logit_soft_capping():
+    """The sensitivity probes run Gemma 2's attention with its logit soft-capping, which SDPA has not: the probed
+    model's logits are its own (eager attention), and a probe records the cap."""
+    model = tiny_model("gemma2", layers=2, attn_logit_softcapping=0.5)  # a cap that the tiny model's logits reach
+    ids = IDS[:2, :96]
+    with torch.no_grad():
+        want = model(ids).logits
+    probes: dict = {}
+    with _probed(model, probes), torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [p.softcap for p in probes.values()] == [0.5, 0.5]
+    uncapped = tiny_model("gemma2", layers=2, attn_logit_softcapping=None)  # the same weights
+    with _probed(uncapped, {}), torch.no_grad():
+        assert not torch.allclose(uncapped(ids).logits, want, atol=1e-3)  # the cap matters here
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
+def test_a_model_with_sliding_layers_is_tuned_within_the_budget_at_every_context(model_type):
+    """Gemma 3's (and Gemma 2's) sliding-window layers hold at most their window and its other layers every token,
+    so its cache's bits per value move from the mean over layers (short contexts) to the mean over the full layers
+    (long ones): tuning holds both within the budget. Measured on the cache after a prompt four windows long.
+    Gemma 2 soft-caps its attention logits, and its sensitivities are measured so."""
     kinds = ["sliding_attention", "full_attention"] * 2
-    model = tiny_model("gemma3_text", layers=4, sliding_window=64, layer_types=kinds)
+    model = tiny_model(model_type, layers=4, sliding_window=64, layer_types=kinds)
     full = [1, 3]
     assert full_layers(model) == full and 0 < len(full) < 4 and full_layers(tiny_model("llama", layers=4)) == []
     pipe = KVPipeline.from_preset("frontier-2bit", residual=16)

@@ -17,12 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchkv import registry
 from torchkv.models import arch
 from torchkv.ops import apply_rope, ridge_streamed
-from torchkv.ops.attention import attend_dense
 from torchkv.pipeline import KVPipeline, LayerState
 
 CALIBRATE_NAME = "torchkv_calibrate"
@@ -39,14 +37,7 @@ def _recording(model: nn.Module, records: dict) -> Iterator[list[nn.Module]]:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         records[("kv", module.layer_idx)] = (key, value)
-        softcap = kwargs.get("softcap")
-        if softcap is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        q_len, kv_len = query.shape[2], key.shape[2]
-        if attention_mask is None:  # SDPA's mask function leaves plain causal masks to is_causal
-            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
-        out, _ = attend_dense(query, key, value, attention_mask, kwargs.get("scaling") or module.scaling, softcap)
-        return out.transpose(1, 2).contiguous(), None
+        return arch.sdpa_with_softcap(module, query, key, value, attention_mask, **kwargs)
 
     layers = list(arch._get(model, arch.arch_of(model).layers))
 

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from torchkv._compat import config_head_dim
+from torchkv.ops.attention import attend_dense
 from torchkv.store import RopeFn
 
 
@@ -160,6 +162,20 @@ def swapped_attention(
         model.set_attn_implementation(previous)
         for handle in handles:
             handle.remove()
+
+
+def sdpa_with_softcap(module: nn.Module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention (an `AttentionInterface` function, with SDPA's masks), computed densely with the
+    model's logit soft-capping `c·tanh(s/c)` where it passes one (Gemma 2), which SDPA has not; `[B, Q, Hq, D]`."""
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0], None
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:  # SDPA's mask function leaves plain causal masks to is_causal
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+        attention_mask = attention_mask.tril(kv_len - q_len)[None, None]
+    out, _ = attend_dense(query, key, value, attention_mask, kwargs.get("scaling") or module.scaling, softcap)
+    return out.transpose(1, 2).contiguous(), None
 
 
 #: config fields that decide the shapes and the meaning of a model's keys and values

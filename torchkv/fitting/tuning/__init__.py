@@ -42,15 +42,11 @@ __all__ = ["CANDIDATE_BITS", "SEQ_LEN", "Candidate", "Sensitivity", "candidates"
 
 
 def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
-    """`pipe` for `model`, calibrated for it; a clear error where it must be calibrated first, or where the model
-    soft-caps its attention logits (Gemma 2), which the sensitivity measurement does not."""
+    """`pipe` for `model`, calibrated for it; a clear error where it must be calibrated first."""
     from torchkv.models.arch import fingerprint
 
     pipe = pipe.for_model(model)
     config = model.config.get_text_config(decoder=True)
-    if getattr(config, "attn_logit_softcapping", None):
-        raise ValueError(f"{config.model_type} soft-caps its attention logits, and tuning measures sensitivities "
-                         "through SDPA, which has no soft-capping: tuning does not support this model yet; use a preset")
     if pipe.needs_fit:
         pipe.check_fitted(config.num_hidden_layers, fingerprint(model))  # asks for `torchkv calibrate` when unfitted
     return pipe

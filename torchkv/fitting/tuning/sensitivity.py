@@ -32,7 +32,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchkv._compat import config_head_dim
 from torchkv.models import arch
@@ -51,7 +50,8 @@ DRAWS = 2
 class Probe:
     """One layer's attention inputs `[B, H(q), T, D]`, its mask (`[B, 1, T, T]` bool or additive, or None: causal)
     and scale, and the zero leaf added to its output `[B, T, Hq, D]`, whose gradient is the loss's with respect
-    to the output; `x`: the attention block's input `[B, T, d]`."""
+    to the output; `x`: the attention block's input `[B, T, d]`; `softcap`: the model's attention logit soft-capping
+    `c·tanh(s/c)` (Gemma 2), or None."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -60,20 +60,21 @@ class Probe:
     scaling: float
     out: torch.Tensor
     x: torch.Tensor | None = None
+    softcap: float | None = None
 
 
 @contextlib.contextmanager
 def _probed(model: nn.Module, probes: dict[int, Probe]) -> Iterator[None]:
-    """Attention runs as SDPA plus a zero leaf and records a `Probe` per layer; the model's parameters are frozen
-    meanwhile (gradients flow from the probes on only)."""
+    """Attention runs as SDPA (dense where the model soft-caps its logits) plus a zero leaf and records a `Probe`
+    per layer; the model's parameters are frozen meanwhile (gradients flow from the probes on only)."""
     inputs: dict[int, torch.Tensor] = {}
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out, weights = arch.sdpa_with_softcap(module, query, key, value, attention_mask, **kwargs)
         leaf = torch.zeros_like(out, requires_grad=True)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         probes[module.layer_idx] = Probe(query.detach(), key.detach(), value.detach(), attention_mask, scaling, leaf,
-                                         inputs.pop(module.layer_idx, None))
+                                         inputs.pop(module.layer_idx, None), kwargs.get("softcap"))
         return out + leaf, weights
 
     def record_input(i: int):
@@ -194,8 +195,8 @@ def exposed_pairs(pipe: KVPipeline, tokens: int) -> torch.Tensor:
 def _exposed_gradients(probe: Probe, out_grad: torch.Tensor, exposed: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss's gradients `(g_k, g_v)` `[B, H, T, D]` with respect to perturbations of the keys and values that
-    only the exposed pairs read: `S = s·(Q Kᵀ + E ⊙ Q ΔKᵀ)`, `O = P V + (P ⊙ E) ΔV` at ΔK = ΔV = 0, from the
-    output's gradient `out_grad` `[B, T, Hq, D]`, in blocks of `LOGIT_CHUNK` queries."""
+    only the exposed pairs read: `S = s·(Q Kᵀ + E ⊙ Q ΔKᵀ)` (soft-capped as the model does), `O = P V + (P ⊙ E) ΔV`
+    at ΔK = ΔV = 0, from the output's gradient `out_grad` `[B, T, Hq, D]`, in blocks of `LOGIT_CHUNK` queries."""
     q, k, v = (t.float() for t in (probe.query, probe.key, probe.value))
     groups, tokens = q.shape[1] // k.shape[1], q.shape[2]
     dk, dv = (torch.zeros_like(t, requires_grad=True) for t in (k, v))
@@ -212,6 +213,8 @@ def _exposed_gradients(probe: Probe, out_grad: torch.Tensor, exposed: torch.Tens
             e = exposed[rows].float()  # [R, T]
             qr = q[:, :, rows]
             scores = probe.scaling * (qr @ k_all.transpose(-1, -2) + e * (qr @ dk_all.transpose(-1, -2)))
+            if probe.softcap:
+                scores = probe.softcap * torch.tanh(scores / probe.softcap)
             p = torch.softmax(scores.masked_fill(~allowed[..., rows, :], float("-inf")), -1)
             out = p @ v_all + (p * e) @ dv_all
             (out * g_out[:, :, rows]).sum().backward()
