@@ -16,8 +16,8 @@ from torchkv.models import cache_argument
 from torchkv.models.arch import full_layers
 from torchkv.pipeline import HeadGroups, KVPipeline
 from torchkv.testing import tiny_model
-from torchkv.fitting.tuning import (CANDIDATE_BITS, candidates, measure, stored_bits, tune, tuned_for_model,
-                                    tuned_pipeline)
+from torchkv.fitting.tuning import (CANDIDATE_BITS, candidates, measure, sensitivity, stored_bits, tune,
+                                    tuned_for_model, tuned_pipeline)
 from torchkv.fitting.tuning.candidates import layer_candidates, rewidth
 from torchkv.fitting.tuning.sensitivity import (Probe, _exposed_gradients, _probed, _sampled_gradients, exposed_pairs,
                                                 read_weights)
@@ -397,6 +397,34 @@ def test_probed_attention_is_the_models_own_with_its_logit_soft_capping():
     uncapped = tiny_model("gemma2", layers=2, attn_logit_softcapping=None)  # the same weights
     with _probed(uncapped, {}), torch.no_grad():
         assert not torch.allclose(uncapped(ids).logits, want, atol=1e-3)  # the cap matters here
+
+
+def test_soft_capped_probes_hold_no_attention_probabilities_for_the_backward_pass(monkeypatch):
+    """The dense soft-capped attention of the probes is recomputed in the backward pass: no float `[.., T, T]`
+    tensor is saved for it, where without recomputation the probabilities are, and the probes' gradients are the
+    same either way."""
+    model = tiny_model("gemma2", layers=2, attn_logit_softcapping=0.5)
+    ids, t = IDS[:1, :200], 200
+
+    def leaf_gradients() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        probes, saved = {}, []
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            if x.is_floating_point() and tuple(x.shape[-2:]) == (t, t):
+                saved.append(x)
+            return x
+
+        with _probed(model, probes), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            model(ids).logits.square().sum().backward()
+        return [probes[i].out.grad for i in sorted(probes)], saved
+
+    recomputed, saved = leaf_gradients()
+    assert not saved
+    monkeypatch.setattr(sensitivity, "checkpoint", lambda fn, *args, use_reentrant, **kwargs: fn(*args, **kwargs))
+    held, saved = leaf_gradients()
+    assert saved  # the probabilities, held for every layer
+    for a, b in zip(recomputed, held, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from torchkv._compat import config_head_dim
@@ -70,7 +71,11 @@ def _probed(model: nn.Module, probes: dict[int, Probe]) -> Iterator[None]:
     inputs: dict[int, torch.Tensor] = {}
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        out, weights = arch.sdpa_with_softcap(module, query, key, value, attention_mask, **kwargs)
+        if kwargs.get("softcap") is None:
+            out, weights = arch.sdpa_with_softcap(module, query, key, value, attention_mask, **kwargs)
+        else:  # dense: its [B, Hq, T, T] probabilities are recomputed in the backward pass, not held per layer
+            out, weights = checkpoint(arch.sdpa_with_softcap, module, query, key, value, attention_mask,
+                                      use_reentrant=False, **kwargs)
         leaf = torch.zeros_like(out, requires_grad=True)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         probes[module.layer_idx] = Probe(query.detach(), key.detach(), value.detach(), attention_mask, scaling, leaf,
