@@ -71,7 +71,8 @@ def _probed(model: nn.Module, probes: dict[int, Probe]) -> Iterator[None]:
     inputs: dict[int, torch.Tensor] = {}
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        if kwargs.get("softcap") is None:
+        softcap = kwargs.get("softcap")
+        if softcap is None:
             out, weights = arch.sdpa_with_softcap(module, query, key, value, attention_mask, **kwargs)
         else:  # dense: its [B, Hq, T, T] probabilities are recomputed in the backward pass, not held per layer
             out, weights = checkpoint(arch.sdpa_with_softcap, module, query, key, value, attention_mask,
@@ -79,7 +80,7 @@ def _probed(model: nn.Module, probes: dict[int, Probe]) -> Iterator[None]:
         leaf = torch.zeros_like(out, requires_grad=True)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         probes[module.layer_idx] = Probe(query.detach(), key.detach(), value.detach(), attention_mask, scaling, leaf,
-                                         inputs.pop(module.layer_idx, None), kwargs.get("softcap"))
+                                         inputs.pop(module.layer_idx, None), softcap)
         return out + leaf, weights
 
     def record_input(i: int):
