@@ -47,11 +47,11 @@ def test_an_unshipped_width_lists_the_shipped_grids():
         KVPipeline.from_preset("frontier-2bit", bits=5)
 
 
-@pytest.mark.parametrize("key_bits,dim", [(3, 2), (4, 2)])
+@pytest.mark.parametrize("key_bits,dim", [(2.5, 2), (3, 2), (3.5, 2), (4, 2)])
 def test_keys_may_take_more_bits_than_values(key_bits, dim):
     """`key_bits` widens the keys alone (the retrieval ablation of issue 41): their grid is the widest with that many
     bits and values keep `bits`. Both are still scored from their codes: 8-bit codes of 2-D points (4 bits), and
-    6-bit ones (3 bits) packed in words."""
+    5-, 6- and 7-bit ones (2.5, 3 and 3.5 bits) packed in words."""
     pipe = KVPipeline.from_preset("frontier-2bit", key_bits=key_bits)
     higgs = next(t for t in pipe.keys.transforms if t.name == "higgs")
     assert (higgs.config.bits, higgs.config.dim) == (key_bits, dim)

@@ -56,13 +56,14 @@ def _hadamard_mixed(compile: bool) -> torchkv.KVPipeline:
 
 
 def _per_head_widths(compile: bool) -> torchkv.KVPipeline:
-    """SmolLM2's 3 KV heads in groups of their own widths (`torchkv tune --per-head`): 3-bit keys (2-D grid) on
-    heads 0 and 2, 4-bit values on head 0, frontier-2bit's chains on the others, head 1's keys centred by a turned
-    centre (the 2.1-bit recipe's mix)."""
+    """SmolLM2's 3 KV heads in groups of their own widths (`torchkv tune --per-head`): 2.5- and 3.5-bit keys (5- and
+    7-bit codes of 2-D grids, in words) on heads 0 and 2, 4-bit values on head 0, frontier-2bit's chains on the
+    others, head 1's keys centred by a turned centre (the 2.1-bit recipe's mix)."""
     base = torchkv.KVPipeline.from_preset("frontier-2bit")
     centred = torchkv.KVPipeline.from_preset("frontier-2bit", rotary_center=True)
-    wide = torchkv.KVPipeline.from_preset("frontier-2bit", key_bits=3, dim=2, bits=4)
-    return torchkv.KVPipeline(HeadGroups([([1], centred.keys), ([0, 2], wide.keys)]),
+    wide = torchkv.KVPipeline.from_preset("frontier-2bit", key_bits=2.5, bits=4)
+    wider = torchkv.KVPipeline.from_preset("frontier-2bit", key_bits=3.5)
+    return torchkv.KVPipeline(HeadGroups([([1], centred.keys), ([0], wide.keys), ([2], wider.keys)]),
                               HeadGroups([([0], wide.values), ([1, 2], base.values)]),
                               residual=base.residual, sinks=base.sinks, chunk=base.chunk, compile=compile)
 

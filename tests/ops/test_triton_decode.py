@@ -171,9 +171,10 @@ def test_a_bias_of_another_shape_is_refused():
 @st.composite
 def grid_cases(draw):
     """A frontier-like pipeline (optionally centred by a centre turned to each position, optionally balanced HIGGS
-    keys on a 256- or 64-point grid, Hadamard-rotated symmetric per-token values) over a history as in `cases`."""
+    keys on a 256-, 128-, 64- or 32-point grid, Hadamard-rotated symmetric per-token values) over a history as in
+    `cases`."""
     c = draw(cases())
-    return {**c, "dim": draw(st.sampled_from([32, 64, 80])), "key_bits": draw(st.sampled_from([1, 2, 3, 4])),
+    return {**c, "dim": draw(st.sampled_from([32, 64, 80])), "key_bits": draw(st.sampled_from([1, 2, 2.5, 3, 3.5, 4])),
             "span": draw(st.sampled_from(["head", "token"])), "balance": draw(st.booleans()),
             "key_meta": draw(st.sampled_from(["float16", "float32", "float8_e5m2", "float8_e4m3fn"])),
             "value_meta": draw(st.sampled_from(["float16", "float8_e5m2", "float8_e4m3fn"])),
@@ -181,7 +182,7 @@ def grid_cases(draw):
 
 
 def _grid_pipeline(c, compile: bool | str = "auto") -> torchkv.KVPipeline:
-    dim = {1: 8, 2: 4, 3: 2, 4: 2}[c["key_bits"]]  # 8-bit codes, and 6-bit ones (3 bits, 2-D) packed in words
+    dim = {1: 8, 2: 4, 2.5: 2, 3: 2, 3.5: 2, 4: 2}[c["key_bits"]]  # 8-bit codes, and 5-, 6- and 7-bit ones in words
     higgs = T.quantize("higgs", bits=c["key_bits"], dim=dim, span=c["span"], scale_dtype=c["key_meta"])
     values = T.quantize(bits=c["bits"], axis="token", group=None, symmetric=True, step="gaussian",
                         meta_dtype=c["value_meta"])
@@ -242,6 +243,7 @@ LONG_GRID_CASE = dict(bits=2, dim=64, value_group=32, key_group=32, batch=1, hea
 @settings(max_examples=8)
 @given(c=grid_cases(), rotary_center=st.booleans())
 @example(c={**LONG_GRID_CASE, "chunks": 3, "live": 3}, rotary_center=True)  # every encoded token live, keys not tiny
+@example(c={**LONG_GRID_CASE, "chunks": 3, "key_bits": 2.5}, rotary_center=False)  # 5-bit codes take the kernel too
 def test_pipeline_grid_kernel_path_equals_the_inductor_path(c, rotary_center):
     """`Codec.attend` of a frontier-like pipeline through the grid kernel (query balanced and rotated, a turned
     centre's offsets one per token, window values rotated into the codes' domain, the output rotated back) gives what
@@ -264,10 +266,11 @@ def test_pipeline_grid_kernel_path_equals_the_inductor_path(c, rotary_center):
                                                        else dict(atol=1e-5, rtol=1e-4)))
 
 
-def test_grid_many_splits_combine():
-    """Many splits of 6-bit key codes packed in words (the 3-bit grid): the codes that straddle bytes read right, and
-    a bias per token at each split's own tokens."""
-    c = LONG_GRID_CASE
+@pytest.mark.parametrize("key_bits", [2.5, 3, 3.5])
+def test_grid_many_splits_combine(key_bits):
+    """Many splits of 5-, 6- and 7-bit key codes packed in words (the 2.5-, 3- and 3.5-bit grids): the codes that
+    straddle bytes read right, and a bias per token at each split's own tokens."""
+    c = {**LONG_GRID_CASE, "key_bits": key_bits}
     pipe, s, _, _, q, kf, vf, mask, live = _grid_inputs(c)
     assert triton_decode._splits(1, 40 * 32)[1] > 8
     args = _grid_args(pipe, s, q, kf, vf, mask, live, 0.0, _bias(c, q, 40 * 32, per_token=True))

@@ -133,8 +133,10 @@ def test_candidates_keep_decode_reading_and_their_bits_are_the_closed_form():
     assert (rewidth(frontier.keys, 1)[1].config.dim) == 8  # the 1-bit grid is 8-D
     options = candidates(frontier, kv_heads=3, head_dim=64)
     keys, values = options["k"], options["v"]
-    # codes and one float8 norm per 64; the 3-bit grid's 6-bit codes are read from their words
-    assert [(c.width, c.bits) for c in keys] == [(2, 2 + 8 / 64), (3, 3 + 8 / 64), (4, 4 + 8 / 64)]
+    # codes and one float8 norm per 64; the 2.5-, 3- and 3.5-bit grids' 5-, 6- and 7-bit codes are read from their words
+    assert [(c.width, c.bits) for c in keys] == [(w, w + 8 / 64) for w in (2, 2.5, 3, 3.5, 4)]
+    assert [(t.config.bits, t.config.dim) for c in keys for t in c.transforms if t.name == "higgs"] == [
+        (2, 4), (2.5, 2), (3, 2), (3.5, 2), (4, 2)]
     assert [c.width for c in values][0] == 1  # 1-bit values are candidates; 1-bit keys are not (CANDIDATE_BITS)
     assert all(torchkv.pipeline.Chain(list(c.transforms)).scores_stored for c in keys)
     assert rewidth(KVPipeline.from_preset("fp16").keys, 2) is None  # nothing to rewiden

@@ -33,7 +33,7 @@ from torchkv.transforms.quantizers import higgs_dim
 VALUES = ("uniform", "higgs")
 
 
-def _keys(bits: int, dim: int, span: str, center: bool, balance: bool, scale_dtype: str,
+def _keys(bits: int | float, dim: int, span: str, center: bool, balance: bool, scale_dtype: str,
           query_metric: bool = False, rotary_center: bool = False) -> list:
     """Centred (`center`: by a fixed offset; `rotary_center`: by one turned to each position) and balanced HIGGS
     keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one has them (2-D for 3 and 4 bits,
@@ -59,7 +59,7 @@ def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str) -> list
 def frontier(
     bits: int = 2, dim: int = 4, span: str = "head", center: bool = False, balance: bool = True,
     values: str = "uniform", scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4,
-    residual: int = 128, chunk: int = 32, key_bits: int | None = None, query_metric: bool = False,
+    residual: int = 128, chunk: int = 32, key_bits: int | float | None = None, query_metric: bool = False,
     rotary_center: bool = False,
 ) -> KVPipeline:
     """Keys: optionally centred (`center`, or `rotary_center` by the prompt's pre-RoPE medians turned to each

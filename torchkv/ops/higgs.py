@@ -24,9 +24,10 @@ from torchkv._compat import materialized
 from torchkv.ops import triton_higgs_encode
 from torchkv.ops.hadamard import hadamard, hadamard_block
 
-#: (dim, points) of the shipped grids: d=2 with 16/64/256 points (2/3/4 bits per value), d=4 with 256 (2 bits),
-#: d=8 with 256 (1 bit: the HIGGS paper's sub-2-bit grid, AQUA-KV Table 5)
-GRIDS = ((2, 16), (2, 64), (2, 256), (4, 256), (8, 256))
+#: (dim, points) of the shipped grids: d=2 with 16/32/64/128/256 points (2/2.5/3/3.5/4 bits per value: the half
+#: steps give a bit allocation finer widths where a layer has one KV head), d=4 with 256 (2 bits), d=8 with 256
+#: (1 bit: the HIGGS paper's sub-2-bit grid, AQUA-KV Table 5)
+GRIDS = ((2, 16), (2, 32), (2, 64), (2, 128), (2, 256), (4, 256), (8, 256))
 GRID_SAMPLES = 1 << 19
 GRID_ITERS = 200
 GRID_SEED = 0

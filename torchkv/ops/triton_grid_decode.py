@@ -2,10 +2,11 @@
 form), as Triton kernels, beside its eager reference.
 
 The stored form:
-- keys (`quantize.higgs`, 256- or 64-point grids): per `d`-D group of channels the index of a grid point, one
-  byte each (8-bit codes) or packed in words (6-bit codes: four in 3 bytes, so a token's codes are one
-  little-endian bit string), and one multiplier per token (and KV head, or per token for every head); a key in the
-  quantizer's rotated domain is `k̂_t = m_t·r·[grid[c_t1], ..., grid[c_tK]]` (r = 1/√row size);
+- keys (`quantize.higgs`, 256-, 128-, 64- or 32-point grids): per `d`-D group of channels the index of a grid
+  point, one byte each (8-bit codes) or packed in words (5-, 6- and 7-bit codes, eight, four and eight in 5, 3 and
+  7 bytes, so a token's codes are one little-endian bit string), and one multiplier per token (and KV head, or per
+  token for every head); a key in the quantizer's rotated domain is `k̂_t = m_t·r·[grid[c_t1], ..., grid[c_tK]]`
+  (r = 1/√row size);
 - values (`quantize.uniform` per token, symmetric, planar-packed): `v̂_td = (c_td − (2^b − 1)/2)·Δ_t`, in the
   domain of the transforms before the quantizer (a Hadamard rotation).
 
@@ -24,9 +25,9 @@ import torch
 from torchkv.ops import triton_decode
 from torchkv.ops.triton_decode import _dot, _splits, triton
 
-#: key code widths the kernel reads: a byte per code (256-point grids), or words of four 6-bit codes (64 points).
-#: 4-bit codes (16 points) are planar-packed, which is not one bit string per token
-CODE_BITS = (6, 8)
+#: key code widths the kernel reads: a byte per code (256-point grids), or words of 5-, 6- or 7-bit codes (32, 64 or
+#: 128 points). 4-bit codes (16 points) are planar-packed, which is not one bit string per token
+CODE_BITS = (5, 6, 7, 8)
 #: metadata dtypes read as bytes, with (mantissa bits, exponent bias): the kernels widen them in registers
 FLOAT8 = {torch.float8_e5m2: (2, 15), torch.float8_e4m3fn: (3, 7)}
 

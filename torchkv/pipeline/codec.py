@@ -265,7 +265,7 @@ class Codec:
             if per_token and v.config.symmetric and v.config.group in (None, head_dim):
                 return "grid", None
         return None, ("the kernels read asymmetric uniform keys per channel with asymmetric uniform values per token "
-                      "(KIVI's layout), or keys in 64- or 256-point grid codes with symmetric values, one step per "
+                      "(KIVI's layout), or keys in 32- to 256-point grid codes with symmetric values, one step per "
                       f"token (frontier's); the keys are stored by {k!r} and the values by {v!r}")
 
     def run(self, fn: Callable, *args):

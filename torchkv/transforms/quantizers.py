@@ -147,13 +147,20 @@ class UniformQuantize(Transform):
         return affine_weighted_sum(p, planes, state["scale"], state.get("zero"), cfg.bits, cfg.axis, ctx.dim)
 
 
-#: (bits per value, grid dimension) of the shipped HIGGS grids with whole bits: points = 2^(bits·dim)
-HIGGS_SHAPES = tuple(sorted((b, d) for d, n in GRIDS for b in range(1, 9) if n == 1 << (b * d)))
+def _grid_bits(points: int, dim: int) -> int | float:
+    """Bits per value of a grid of `points` (a power of two) in `dim` dimensions: log2(points)/dim (int if whole)."""
+    bits = (points.bit_length() - 1) / dim
+    return int(bits) if bits.is_integer() else bits
 
 
-def higgs_dim(bits: int, dim: int) -> int | None:
+#: (bits per value, grid dimension) of the shipped HIGGS grids: points = 2^(bits·dim); bits whole or half (2-D grids
+#: of 32 and 128 points: 2.5 and 3.5 bits)
+HIGGS_SHAPES = tuple(sorted((_grid_bits(n, d), d) for d, n in GRIDS))
+
+
+def higgs_dim(bits: int | float, dim: int) -> int | None:
     """`dim` where a shipped grid of that dimension has `bits` bits per value, else the largest dimension that
-    has them (8 for 1 bit, 2 for 3 and 4 bits); None where no grid has them."""
+    has them (8 for 1 bit, 2 for 2.5, 3, 3.5 and 4 bits); None where no grid has them."""
     if (bits, dim) in HIGGS_SHAPES:
         return dim
     return max((d for b, d in HIGGS_SHAPES if b == bits), default=None)
@@ -171,12 +178,13 @@ def _second_moment(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
 
 @dataclass(frozen=True, kw_only=True)
 class HiggsConfig(TransformConfig):
-    """bits: bits per value; dim: grid dimension d (a grid of 2^(bits·d) points); span: "head" (one scale
+    """bits: bits per value, whole or half (bits·d whole); dim: grid dimension d (a grid of 2^(bits·d) points);
+    span: "head" (one scale
     per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype: scale storage;
     query_metric: choose each code and scale under the second moment of the prompt's queries as a
     `project.balance` before it maps them (`higgs_quantize`'s `metric`)."""
 
-    bits: int = 2
+    bits: int | float = 2
     dim: int = 2
     span: str = "head"
     scale_dtype: str = "float16"
@@ -206,20 +214,20 @@ class HiggsQuantize(Transform):
 
     Config = HiggsConfig
     reads_packed = True
-    reads_words = True  # `_stored` unpacks each token's codes (3-bit 2-D grids: 6-bit codes, four in 3 bytes)
+    reads_words = True  # `_stored` unpacks each token's codes (2-D grids of 32, 64, 128 points: 5-, 6-, 7-bit codes)
     reads_stored = frozenset({"scores", "weighted_sum"})
 
     def __init__(self, **config):
         super().__init__(**config)
         cfg = self.config
-        self.grid = load_grid(2 ** (cfg.bits * cfg.dim), cfg.dim)  # [n, d] float32
+        self.grid = load_grid(1 << self.code_bits, cfg.dim)  # [n, d] float32
         if cfg.query_metric:  # the metric is prepared once per sequence from the prompt's queries
             self.needs_prepare, self.requires = True, frozenset({"queries"})
             self.reads_upstream, self.prepares = frozenset({"balance"}), frozenset({"block_metric"})
 
     @property
     def code_bits(self) -> int:
-        return self.config.bits * self.config.dim
+        return round(self.config.bits * self.config.dim)
 
     def out_dim(self, dim: int) -> int:
         if dim % self.config.dim:
@@ -288,7 +296,7 @@ class HiggsQuantize(Transform):
         return codes, state["scale"].float() * self.row_norm(packed.shape[1], dim)
 
     def scores(self, q: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Decode attention scores read from packed grid codes (planar, or in words for 6-bit codes).
+        """Decode attention scores read from packed grid codes (planar, or in words for 5-, 6- and 7-bit codes).
 
         Args:
             q: [B, H, g, F] float32. packed: [B, H, NC, C, M] uint8; state viewed by chunk likewise.

@@ -15,8 +15,11 @@ from torchkv.transforms.quantizers import higgs_dim
 #: prompt mode); the same sensitivities allocated without 1-bit keys lost +0.77 / +4.42 / +3.02%
 #: (benchmarks/results/domains/ablations/). 3-bit keys (6-bit codes of a 64-point 2-D grid, read from their words)
 #: lowered the worst perplexity cell of the 2.5-bit tuning from +4.42% to +3.86% and of its 2.1-bit allocation from
-#: +9.80% to +7.63% (three domains, prompt mode and streaming; benchmarks/results/domains/eval_*3bit_keys*)
-CANDIDATE_BITS = {"k": (2, 3, 4, 8), "v": (1, 2, 3, 4, 8)}
+#: +9.80% to +7.63% (three domains, prompt mode and streaming; benchmarks/results/domains/eval_*3bit_keys*). 2.5- and
+#: 3.5-bit keys (5- and 7-bit codes of 32- and 128-point 2-D grids, read from their words) give the allocation half
+#: steps where a layer has one KV head, so that per-head widths cannot refine it (Gemma 3: 3 full-attention layers
+#: held to the budget could spend 2.36 of 2.5 bits with whole widths)
+CANDIDATE_BITS = {"k": (2, 2.5, 3, 3.5, 4, 8), "v": (1, 2, 3, 4, 8)}
 #: multiples of a quantizer's group tried with each width (groups share metadata: larger ones cost fewer bits)
 GROUP_SCALES = (1, 2, 4)
 
@@ -29,11 +32,11 @@ class Candidate:
     label: str
     transforms: tuple[Transform, ...]
     bits: float
-    width: int
+    width: int | float
     group_scale: int
 
 
-def rewidth(chain: Chain, bits: int, group_scale: int = 1) -> list[Transform] | None:
+def rewidth(chain: Chain, bits: int | float, group_scale: int = 1) -> list[Transform] | None:
     """`chain`'s transforms with every quantizer at `bits` bits per value (a HIGGS grid of the largest dimension
     that has that width where the chain's own has not) and its group, where it has one, `group_scale` times as
     large; packs re-derived from them, other transforms (and their fitted parameters) kept. None when the chain
@@ -41,7 +44,7 @@ def rewidth(chain: Chain, bits: int, group_scale: int = 1) -> list[Transform] | 
     out, changed = [], False
     for t in chain.transforms:
         config = dataclasses.asdict(t.config)
-        if t.kind == "quantize" and isinstance(config.get("bits"), int):
+        if t.kind == "quantize" and type(config.get("bits")) in (int, float):  # a width (SVDq's is a schedule)
             config["bits"], changed = bits, True
             if t.name == "higgs":
                 config["dim"] = higgs_dim(bits, config["dim"])
