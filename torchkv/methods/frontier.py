@@ -36,7 +36,7 @@ VALUES = ("uniform", "higgs")
 def _keys(bits: int | float, dim: int, span: str, center: bool, balance: bool, scale_dtype: str,
           query_metric: bool = False, rotary_center: bool = False) -> list:
     """Centred (`center`: by a fixed offset; `rotary_center`: by one turned to each position) and balanced HIGGS
-    keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one has them (2-D for 3 and 4 bits,
+    keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one has them (2-D for 2.5 to 4 bits,
     8-D for 1 bit); with `query_metric`, codes chosen under the balanced prompt queries' second moment."""
     if center and rotary_center:
         raise ValueError("frontier takes center=True or rotary_center=True, not both: each removes the keys' offset")
