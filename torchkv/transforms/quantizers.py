@@ -179,9 +179,8 @@ def _second_moment(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
 @dataclass(frozen=True, kw_only=True)
 class HiggsConfig(TransformConfig):
     """bits: bits per value, whole or half (bits·d whole); dim: grid dimension d (a grid of 2^(bits·d) points);
-    span: "head" (one scale
-    per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype: scale storage;
-    query_metric: choose each code and scale under the second moment of the prompt's queries as a
+    span: "head" (one scale per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype:
+    scale storage; query_metric: choose each code and scale under the second moment of the prompt's queries as a
     `project.balance` before it maps them (`higgs_quantize`'s `metric`)."""
 
     bits: int | float = 2
