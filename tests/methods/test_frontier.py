@@ -147,6 +147,42 @@ def test_rotary_centred_scores_from_codes_equal_the_rebuilt_keys(chunks, seed, r
     torch.testing.assert_close(scores.flatten(-2), q @ k_hat.transpose(-1, -2), rtol=1e-4, atol=1e-3)
 
 
+@given(offset=st.floats(2.0, 20.0), chunks=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_centred_values_are_summed_from_their_codes_with_the_median_added_once(offset, chunks, seed):
+    """`value_center`: values with a shared per-channel offset lose it before the rotated per-token code, so the
+    code is better, and decode's weighted sum of the stored residual plus `μ·Σ p` equals that of the rebuilt
+    values."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(2, 3, 32 * chunks, 32, generator=g) + offset * torch.randn(32, generator=g)
+    pipe = KVPipeline.from_preset("frontier-2bit", value_center=True)
+    assert [t.name for t in pipe.values.transforms] == ["center", "hadamard", "uniform", "bits"]
+    assert pipe.values.sums_stored and pipe.explain(LAYERS) == STORED_FORM
+    chain = pipe.values
+    own = LayerState({}, chain.prepare(v, LayerState({}, {}, {}), None), {})
+    state = chain.encode(v, own, None)
+    v_hat = chain.decode(state, 32, own)
+    plain = Chain([T.rotate("hadamard"), *chain.transforms[2:]])
+    plain_own = LayerState({}, {}, {})
+    assert sqnr(v, v_hat) > sqnr(v, plain.decode(plain.encode(v, plain_own, None), 32, plain_own)) + 3
+    p = torch.rand(2, 3, 2, chunks, 32, generator=g) / (32 * chunks)  # weights summing to below one
+    by_chunk = {n: t.unflatten(2, (chunks, -1)) for n, t in state.items()}
+    torch.testing.assert_close(chain.weighted_sum(p, by_chunk, 32, own), p.flatten(-2) @ v_hat, rtol=1e-4, atol=1e-4)
+
+
+def test_unbiased_values_refit_only_the_value_scales_and_are_still_read_from_their_codes():
+    """`unbiased_values`: every layer's value quantizer (wide layers too) refits its scales; keys keep the
+    MSE-optimal ones (unbiased keys lost 0.8-3.0 points on SmolLM2, stop 90); stored bits are unchanged."""
+    pipe = KVPipeline.from_preset("frontier-2.5bit", unbiased_values=True)
+    for layer in (0, LAYERS - 1):
+        chains = pipe.for_layer(layer)
+        assert [t.config.unbiased for t in chains.values.transforms if t.kind == "quantize"] == [True]
+        assert [t.config.unbiased for t in chains.keys.transforms if t.kind == "quantize"] == [False]
+    assert pipe.explain(LAYERS) == STORED_FORM
+    plain = KVPipeline.from_preset("frontier-2.5bit")
+    assert pipe.bits_per_value(KV_HEADS, HEAD_DIM, layers=LAYERS) == plain.bits_per_value(KV_HEADS, HEAD_DIM,
+                                                                                          layers=LAYERS)
+
+
 @pytest.mark.model
 @pytest.mark.eager_first
 def test_real_keys_quantize_better_on_the_4d_grid_and_decode_reads_them(smollm2):

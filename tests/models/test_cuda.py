@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.model, pytest.mark.skipif(not torch.cuda.is_available(
 
 PRESETS = ["kivi-2bit", "kivi-4bit", "squat-2bit", "subkv-2bit", "svdq-1.25bit-sparse", "xquant-2bit", "xquant-cl-2bit",
            "frontier-2bit", "frontier-2.5bit",
-           "frontier-2bit:key_bits=3", "frontier-2bit:key_bits=2.5"]  # the last two: 6- and 5-bit grid codes in words
+           "frontier-2bit:key_bits=3", "frontier-2bit:key_bits=2.5",  # 6- and 5-bit grid codes in words
+           "frontier-2bit:unbiased_values=True"]  # value scales refitted at encode, read by the same kernel
 
 
 @pytest.fixture(scope="module")

@@ -255,6 +255,9 @@ READ_STORED = {
         T.rotate("hadamard", block=16), T.predict("center"), T.quantize("higgs", bits=2, dim=2, span="token"), T.pack()],
     "higgs-centred-balanced": lambda: [
         T.predict("center"), T.project("balance"), T.quantize("higgs", bits=2, dim=4), T.pack()],
+    "higgs-4d-unbiased": lambda: [T.quantize("higgs", bits=2, dim=4, unbiased=True), T.pack()],
+    "uniform-gaussian-unbiased-after-hadamard": lambda: [
+        T.rotate("hadamard"), T.quantize(bits=1, group=None, symmetric=True, step="gaussian", unbiased=True), T.pack()],
 }
 
 

@@ -20,6 +20,14 @@ measured costs it helps the keys of 18 of SmolLM2's 30 layers and hurts 9. Chose
 (`benchmarks/reallocate.py --also`) it meets 4% on every domain at 2.1 bits, at 0.64x the CPU decode speed; the GPU
 grid kernel adds its offsets per token. Values in HIGGS codes (`values="higgs"`) are off: on Gemma 3 at 2.5 bits,
 tuned beside uniform values, they gain 1.3 points on code and lose up to 0.6 on wiki (`benchmarks/results/gemma3/`).
+Value scales refitted so that no value row is shrunk (`unbiased_values`, `quantizers.unbiased_scale`) are off in the
+presets, whose figures predate them, and on in the recommended recipe's folders: a nearest-level code with the
+MSE-optimal step keeps only `1 − MSE` of each row (0.88 at 2 bits, 0.64 at 1), and attention averages the codes'
+errors away but not that shrinkage; on Gemma 3's folder held to 2.5 bits they cut the loss from +2.65 / +3.43 /
++3.10% to +1.25 / +2.15 / +1.13% (streaming at 2K, `benchmarks/results/gemma3/`). Unbiased keys lose (SmolLM2
+`frontier-2bit`, 2K: +3.40 / +10.20 / +7.97% against +1.76 / +5.18 / +6.38%): the shrinkage cools scores that
+carry the codes' noise. Values centred by their prompt medians (`value_center`) are off: on Gemma 3's held folder
+they lose 0.9-1.8 points on every domain, though they cut the values' error.
 The measurements behind each choice are in `benchmarks/results/frontier/` and `benchmarks/results/domains/ablations/`.
 """
 
@@ -34,7 +42,7 @@ VALUES = ("uniform", "higgs")
 
 
 def _keys(bits: int | float, dim: int, span: str, center: bool, balance: bool, scale_dtype: str,
-          query_metric: bool = False, rotary_center: bool = False) -> list:
+          query_metric: bool = False, rotary_center: bool = False, unbiased: bool = False) -> list:
     """Centred (`center`: by a fixed offset; `rotary_center`: by one turned to each position) and balanced HIGGS
     keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one has them (2-D for 2.5 to 4 bits,
     8-D for 1 bit); with `query_metric`, codes chosen under the balanced prompt queries' second moment."""
@@ -44,36 +52,41 @@ def _keys(bits: int | float, dim: int, span: str, center: bool, balance: bool, s
         raise ValueError("frontier query_metric=True chooses key codes under the balanced prompt queries: it needs "
                          "balance=True")
     dim = higgs_dim(bits, dim) or dim  # no grid has `bits`: the quantizer's error lists the shipped ones
-    higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype, query_metric=query_metric)
+    higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype, query_metric=query_metric,
+                       unbiased=unbiased)
     return [*([T.predict("center")] if center else []), *([T.predict("rotary_center")] if rotary_center else []),
             *([T.project("balance")] if balance else []), higgs, T.pack()]
 
 
-def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str) -> list:
+def _values(bits: int, kind: str, dim: int, span: str, scale_dtype: str, center: bool, unbiased: bool) -> list:
+    """Values, centred by their channels' prompt medians where `center` (decode adds the median back once per step:
+    `Σ_t p_t v_t = Σ_t p_t (v_t − μ) + μ·Σ_t p_t`), their scales refitted where `unbiased` (`unbiased_scale`)."""
     if kind == "higgs":  # the ablation: values in HIGGS codes as well
-        return _keys(bits, dim, span, False, False, scale_dtype)
-    uniform = T.quantize(bits=bits, axis="token", group=None, symmetric=True, step="gaussian", meta_dtype=scale_dtype)
-    return [T.rotate("hadamard"), uniform, T.pack()]
+        return _keys(bits, dim, span, center, False, scale_dtype, unbiased=unbiased)
+    uniform = T.quantize(bits=bits, axis="token", group=None, symmetric=True, step="gaussian", meta_dtype=scale_dtype,
+                         unbiased=unbiased)
+    return [*([T.predict("center")] if center else []), T.rotate("hadamard"), uniform, T.pack()]
 
 
 def frontier(
     bits: int = 2, dim: int = 4, span: str = "head", center: bool = False, balance: bool = True,
     values: str = "uniform", scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4,
     residual: int = 128, chunk: int = 32, key_bits: int | float | None = None, query_metric: bool = False,
-    rotary_center: bool = False,
+    rotary_center: bool = False, value_center: bool = False, unbiased_values: bool = False,
 ) -> KVPipeline:
     """Keys: optionally centred (`center`, or `rotary_center` by the prompt's pre-RoPE medians turned to each
-    position, an offset decode adds to each token's score), query-balanced (`balance`) post-RoPE HIGGS at `key_bits` (default `bits`)
-    on the `dim`-D grid, one norm per `span` ("head": a KV head's features of a token; "token": all its KV heads),
-    each code and norm chosen under the balanced prompt queries' second moment where `query_metric`;
-    values: `values` "uniform" (Hadamard, then a Gaussian-step scale per token and head) or "higgs" at `bits`;
-    scales in `scale_dtype`."""
+    position, an offset decode adds to each token's score), query-balanced (`balance`) post-RoPE HIGGS at
+    `key_bits` (default `bits`) on the `dim`-D grid, one norm per `span` ("head": a KV head's features of a token;
+    "token": all its KV heads), each code and norm chosen under the balanced prompt queries' second moment where
+    `query_metric`; values: optionally centred by their prompt medians (`value_center`), then `values` "uniform"
+    (Hadamard, then a Gaussian-step scale per token and head) or "higgs" at `bits`, each scale refitted after the
+    codes so that no row is shrunk where `unbiased_values`; scales in `scale_dtype`."""
     if values not in VALUES:
         raise ValueError(f"frontier values={values!r}; allowed: {VALUES}")
 
     def chains(width: int, key_width: int) -> tuple[list, list]:
         return (_keys(key_width, dim, span, center, balance, scale_dtype, query_metric, rotary_center),
-                _values(width, values, dim, span, scale_dtype))
+                _values(width, values, dim, span, scale_dtype, value_center, unbiased_values))
 
     keys, vals = chains(bits, bits if key_bits is None else key_bits)
     return KVPipeline(keys, vals, layers=dict.fromkeys(range(wide_layers), chains(wide_bits, wide_bits)), residual=residual,

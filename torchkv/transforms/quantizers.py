@@ -52,12 +52,28 @@ CAST_DTYPES = {
 }
 
 
+def unbiased_scale(x: torch.Tensor, x_hat: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`scale` `[..., G, 1]` of the rows `x`, `x_hat` `[..., G, R]` (a code's rebuilt rows) refitted so that each row's
+    rebuilt projection on itself is the row: `s' = s·‖x‖² / (x·x̂)`, in `scale`'s dtype (a row with `x·x̂ ≤ 0` keeps
+    `s`).
+
+    A nearest-point code with the MSE-optimal scale shrinks its rows (`x·x̂ = ‖x̂‖² < ‖x‖²`, by about the code's
+    relative MSE). Attention averages the codes' independent errors away over many tokens but keeps that shrinkage:
+    values shrunk by 10% shrink the attention output by 10%, keys shrunk by 10% cool every score by 10%."""
+    x, x_hat = x.float(), x_hat.float()
+    dot = (x * x_hat).sum(-1, keepdim=True)
+    ratio = torch.where(dot > 0, x.square().sum(-1, keepdim=True) / torch.where(dot > 0, dot, 1.0), 1.0)
+    dtype = scale.dtype
+    return (scale.float() * ratio).clamp(max=torch.finfo(dtype).max).to(dtype)
+
+
 @dataclass(frozen=True, kw_only=True)
 class UniformConfig(TransformConfig):
     """bits: code width; axis: "token" (groups of channels) or "channel" (groups of tokens);
     group: elements per group (axis="token": None takes a token's whole row of features); symmetric: no zero
     point; meta_dtype: dtype of scale/zero; step: "range" (the group's values fit its levels) or "gaussian"
-    (symmetric: the MSE-optimal step for rotated groups)."""
+    (symmetric: the MSE-optimal step for rotated groups); unbiased: (symmetric, axis="token") each group's scale
+    refitted after its codes so that the group is not shrunk (`unbiased_scale`)."""
 
     bits: int
     axis: str = "token"
@@ -65,6 +81,7 @@ class UniformConfig(TransformConfig):
     symmetric: bool = False
     meta_dtype: str = "float16"
     step: str = "range"
+    unbiased: bool = field(default=False, metadata={LATER_OPTION: True})
 
     def __post_init__(self):
         if self.bits not in SUPPORTED_BITS:
@@ -77,6 +94,9 @@ class UniformConfig(TransformConfig):
         check_meta_dtype("quantize.uniform", "meta_dtype", self.meta_dtype)
         if self.step not in STEPS or (self.step == "gaussian" and not self.symmetric):
             raise ValueError(f"quantize.uniform step={self.step!r}; allowed: {STEPS} ('gaussian' needs symmetric=True)")
+        if self.unbiased and not (self.symmetric and self.axis == "token"):
+            raise ValueError("quantize.uniform unbiased=True refits each token group's scale: it needs symmetric=True "
+                             "and axis='token'")
 
 
 @register_transform("quantize", "uniform")
@@ -116,6 +136,10 @@ class UniformQuantize(Transform):
         codes, scale, zero = quantize(
             x, cfg.bits, self._dim(), group, cfg.symmetric, META_DTYPES[cfg.meta_dtype], valid, cfg.step
         )
+        if cfg.unbiased:  # scale [B, H, T, F/G]
+            x_hat = dequantize(codes, scale, None, cfg.bits, -1, group)
+            rows = (x.unflatten(-1, (-1, group)), x_hat.unflatten(-1, (-1, group)))
+            scale = unbiased_scale(*rows, scale[..., None])[..., 0]
         state = {"scale": scale} if zero is None else {"scale": scale, "zero": zero}
         return codes, state
 
@@ -181,13 +205,15 @@ class HiggsConfig(TransformConfig):
     """bits: bits per value, whole or half (bits·d whole); dim: grid dimension d (a grid of 2^(bits·d) points);
     span: "head" (one scale per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype:
     scale storage; query_metric: choose each code and scale under the second moment of the prompt's queries as a
-    `project.balance` before it maps them (`higgs_quantize`'s `metric`)."""
+    `project.balance` before it maps them (`higgs_quantize`'s `metric`); unbiased: each row's scale refitted after
+    its codes so that the row is not shrunk (`unbiased_scale`)."""
 
     bits: int | float = 2
     dim: int = 2
     span: str = "head"
     scale_dtype: str = "float16"
     query_metric: bool = field(default=False, metadata={LATER_OPTION: True})
+    unbiased: bool = field(default=False, metadata={LATER_OPTION: True})
 
     def __post_init__(self):
         if (self.bits, self.dim) not in HIGGS_SHAPES:
@@ -196,6 +222,8 @@ class HiggsConfig(TransformConfig):
         if self.span not in SPANS:
             raise ValueError(f"quantize.higgs span={self.span!r} is not supported; allowed: {SPANS}")
         check_meta_dtype("quantize.higgs", "scale_dtype", self.scale_dtype)
+        if self.unbiased and self.query_metric:
+            raise ValueError("quantize.higgs takes unbiased=True or query_metric=True, not both: each refits the scale")
 
 
 @register_transform("quantize", "higgs")
@@ -243,13 +271,21 @@ class HiggsQuantize(Transform):
         metric = ctx.prepared["block_metric"] if cfg.query_metric else None  # [B, H, F/d, d, d]
         if cfg.span == "head":
             metric = None if metric is None else metric[:, :, None]
-            codes, scale = higgs_quantize(x, self.grid_on(x.device), block, scale_dtype=dtype, metric=metric)
+            codes, scale = self._quantize(x, block, dtype, metric)
             return codes, {"scale": scale}
         rows = x.transpose(1, 2).flatten(2)  # [B, T, H·F]
         metric = None if metric is None else metric.flatten(1, 2)[:, None]  # [B, 1, H·F/d, d, d]
-        codes, scale = higgs_quantize(rows, self.grid_on(x.device), block, scale_dtype=dtype, metric=metric)
+        codes, scale = self._quantize(rows, block, dtype, metric)
         codes = codes.unflatten(-1, (h, f // cfg.dim)).transpose(1, 2)  # [B, T, H·F/d] -> [B, H, T, F/d]
         return codes.contiguous(), {"scale": scale[:, None]}  # [B, 1, T, 1]; contiguous like every stored chunk
+
+    def _quantize(self, rows: torch.Tensor, block: int, dtype: torch.dtype, metric: torch.Tensor | None):
+        """`higgs_quantize` of `rows` `[..., R]`, the scales refitted where `unbiased`: (codes, scale `[..., 1]`)."""
+        grid = self.grid_on(rows.device)
+        codes, scale = higgs_quantize(rows, grid, block, scale_dtype=dtype, metric=metric)
+        if self.config.unbiased:
+            scale = unbiased_scale(rows, higgs_dequantize(codes, scale, grid, block), scale)
+        return codes, scale
 
     def prepare(self, x: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
         """With `query_metric`: "block_metric", the d×d diagonal blocks of `H M H`, M = `E[(q/w)(q/w)ᵀ]` the second
