@@ -205,6 +205,27 @@ def test_real_keys_quantize_better_on_the_4d_grid_and_decode_reads_them(smollm2)
 
 
 @pytest.mark.model
+def test_unbiased_values_undo_the_shrinkage_of_real_values(smollm2):
+    """SmolLM2's values of held-out code through `frontier-2bit`'s value chain: the MSE-optimal 2-bit code keeps
+    under 0.92 of each row (`v·v̂ / ‖v‖²`), the refitted one about all of it (float8 scales round each row's
+    factor), with the same codes; a patched generate() reads them."""
+    model, tokenizer = smollm2
+    ids = documents(tokenizer, 256, 1, "eval", "code")
+    v = torch.cat([kv[1] for kv in capture_kv(model, ids)[1::6]], 1)  # 5 layers' heads
+    kept, codes = {}, {}
+    for unbiased in (False, True):
+        chain = KVPipeline.from_preset("frontier-2bit", unbiased_values=unbiased).values
+        own = LayerState({}, {}, {})
+        state = chain.encode(v, own, None)
+        kept[unbiased] = ((v * chain.decode(state, HEAD_DIM, own)).sum(-1) / v.square().sum(-1)).mean().item()
+        codes[unbiased] = state["out"]
+    assert torch.equal(codes[True], codes[False])
+    assert kept[False] < 0.92 and abs(kept[True] - 1) < 0.03, kept
+    with torchkv.patched(model, "frontier-2bit:unbiased_values=True"), torch.no_grad():
+        assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 260)
+
+
+@pytest.mark.model
 def test_rotary_centring_cuts_real_key_error_by_a_third(smollm2):
     """SmolLM2's keys of held-out code: turning each head's pre-RoPE median to the key's position before the 2-bit
     code cuts the key error by more than a third (0.30 -> 0.15 at 1K, `prediction_headroom_smollm2.json`)."""

@@ -25,7 +25,7 @@ presets, whose figures predate them, and on in the recommended recipe's folders:
 MSE-optimal step keeps only `1 − MSE` of each row (0.88 at 2 bits, 0.64 at 1), and attention averages the codes'
 errors away but not that shrinkage; on Gemma 3's folder held to 2.5 bits they cut the loss from +2.65 / +3.43 /
 +3.10% to +1.25 / +2.15 / +1.13% (streaming at 2K, `benchmarks/results/gemma3/`). Unbiased keys lose (SmolLM2
-`frontier-2bit`, 2K: +3.40 / +10.20 / +7.97% against +1.76 / +5.18 / +6.38%): the shrinkage cools scores that
+`frontier-2bit`, 2K: +2.51 / +8.20 / +7.83% against +1.76 / +5.18 / +6.38%): the shrinkage cools scores that
 carry the codes' noise. Values centred by their prompt medians (`value_center`) are off: on Gemma 3's held folder
 they lose 0.9-1.8 points on every domain, though they cut the values' error.
 The measurements behind each choice are in `benchmarks/results/frontier/` and `benchmarks/results/domains/ablations/`.
