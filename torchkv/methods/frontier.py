@@ -89,8 +89,8 @@ def frontier(
                 _values(width, values, dim, span, scale_dtype, value_center, unbiased_values))
 
     keys, vals = chains(bits, bits if key_bits is None else key_bits)
-    return KVPipeline(keys, vals, layers=dict.fromkeys(range(wide_layers), chains(wide_bits, wide_bits)), residual=residual,
-                      sinks=sinks, chunk=chunk)
+    return KVPipeline(keys, vals, layers=dict.fromkeys(range(wide_layers), chains(wide_bits, wide_bits)),
+                      residual=residual, sinks=sinks, chunk=chunk)
 
 
 PRESETS = {  # name: (nominal bits, options)

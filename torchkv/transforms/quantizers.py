@@ -57,7 +57,7 @@ def unbiased_scale(x: torch.Tensor, x_hat: torch.Tensor, scale: torch.Tensor) ->
     rebuilt projection on itself is the row: `s' = s·‖x‖² / (x·x̂)`, in `scale`'s dtype (a row with `x·x̂ ≤ 0` keeps
     `s`).
 
-    A nearest-point code with the MSE-optimal scale shrinks its rows (`x·x̂ = ‖x̂‖² < ‖x‖²`, by about the code's
+    A nearest-point code with the MSE-optimal scale shrinks its rows (`x·x̂ ≈ ‖x̂‖² < ‖x‖²`, by about the code's
     relative MSE). Attention averages the codes' independent errors away over many tokens but keeps that shrinkage:
     values shrunk by 10% shrink the attention output by 10%, keys shrunk by 10% cool every score by 10%."""
     x, x_hat = x.float(), x_hat.float()
