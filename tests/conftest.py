@@ -20,6 +20,12 @@ torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST
 
 
 @pytest.fixture(autouse=True)
+def seeded_rng():
+    """Every test starts from the same global RNG state, whatever ran before it on its xdist worker."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def compile_auto_at_first_call(request, monkeypatch):
     """`compile="auto"` (the default) compiles at a function's first call in tests, so that they exercise the
     compiled path they were written for, except in tests marked `eager_first`; `tests/test_compile_auto.py` tests

@@ -104,11 +104,15 @@ def test_compiled_kernel_equals_eager_with_a_dynamic_chunk_axis():
         return affine_scores(q, code_planes(packed, 2), scale, zero, 2, "channel")
 
     compiled = torch.compile(attend, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+    gen = torch.Generator().manual_seed(0)
     for chunks in (2, 3, 7):
-        x = torch.randn(1, 3, 32 * chunks, 64)
+        x = torch.randn(1, 3, 32 * chunks, 64, generator=gen)
         codes, scale, zero = quantize(x, 2, -2, 32)
-        args = (torch.randn(1, 3, 3, 64), _by_chunk(pack_bits(codes, 2), chunks), _by_chunk(scale, chunks),
-                _by_chunk(zero, chunks))
+        args = (torch.randn(1, 3, 3, 64, generator=gen), _by_chunk(pack_bits(codes, 2), chunks),
+                _by_chunk(scale, chunks), _by_chunk(zero, chunks))
         for t in args[1:]:
             torch._dynamo.maybe_mark_dynamic(t, 2)
-        torch.testing.assert_close(compiled(*args), attend(*args), rtol=1e-5, atol=1e-5)
+        expected = attend(*args)
+        # Inductor sums the 64 products in another order: allow 16 float32 ulps of the largest score, no more.
+        ulps = 16 * torch.finfo(torch.float32).eps * expected.abs().max().item()
+        torch.testing.assert_close(compiled(*args), expected, rtol=0, atol=ulps)
