@@ -74,6 +74,56 @@ def test_prefill_then_decode_equals_token_by_token_encoding():
     assert all(torch.equal(a.encoded[n], b.encoded[n]) for n in a.encoded)
 
 
+def _stream_with_queries(store, k, q, sizes):
+    start = 0
+    for n in sizes:
+        sl = slice(start, start + n)
+        store.append(k[:, :, sl], k[:, :, sl], inputs={"queries": q[:, :, sl]})
+        start += n
+
+
+@given(
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=8),
+    residual=st.sampled_from([0, 8, 24]),
+    sinks=st.sampled_from([0, 2]),
+    seed=st.integers(0, 1000),
+)
+def test_a_store_prepares_from_every_token_once_it_holds_a_chunk(sizes, residual, sinks, seed):
+    """Per-sequence state (frontier's balance scales) is prepared from the first tokens once a chunk of them is held,
+    before any is encoded; the tokens before are kept for it (counted in `tensors`) and their state is exactly a prompt
+    of all of them alone."""
+    pipe = KVPipeline.from_preset("frontier-2bit", residual=residual, sinks=sinks, chunk=8, compile=False)
+    g = torch.Generator().manual_seed(seed)
+    k, q = torch.randn(1, 3, 200, 64, generator=g), torch.randn(1, 6, 200, 64, generator=g)
+    store = KVStore(pipe)
+    _stream_with_queries(store, k, q, sizes)
+    held = sum(sizes)
+    ends = torch.tensor(sizes).cumsum(0)
+    if held < pipe.chunk:
+        assert store.awaits_prepare and not store.prepared and store.n_encoded == 0
+        assert store.tensors()["unprepared.queries"].shape[2] == held
+        return
+    first = int(ends[ends >= pipe.chunk][0])  # the tokens held when a chunk of them was
+    alone = KVStore(pipe)
+    _stream_with_queries(alone, k, q, [first])
+    assert not store.awaits_prepare and not store.unprepared and store.prepared.keys() == alone.prepared.keys()
+    assert all(torch.equal(store.prepared[n], alone.prepared[n]) for n in alone.prepared)
+
+
+def test_a_store_awaiting_its_state_crops_and_reorders_the_tokens_it_keeps():
+    pipe = KVPipeline.from_preset("frontier-2bit", residual=8, sinks=2, chunk=8, compile=False)
+    k, q = torch.randn(2, 3, 20, 64), torch.randn(2, 6, 20, 64)
+    store = KVStore(pipe)
+    _stream_with_queries(store, k, q, [3, 2])
+    store.reorder(torch.tensor([1, 1]))
+    store.crop(2)
+    _stream_with_queries(store, k[[1, 1], :, 3:], q[[1, 1], :, 3:], [5])
+    alone = KVStore(pipe)
+    kept = torch.cat([k[[1, 1], :, :3], k[[1, 1], :, 3:8]], 2), torch.cat([q[[1, 1], :, :3], q[[1, 1], :, 3:8]], 2)
+    _stream_with_queries(alone, *kept, [8])
+    assert store.length == 8 and all(torch.equal(store.prepared[n], alone.prepared[n]) for n in alone.prepared)
+
+
 def test_padding_does_not_enter_statistics():
     pipe = KVPipeline.from_preset("kivi-2bit", residual=0, compile=False)
     k = torch.randn(2, 3, 64, 64)

@@ -40,6 +40,8 @@ def layer_input(pipeline: KVPipeline, inputs: Mapping[str, torch.Tensor] | None,
 
 
 _HELD = ("sink_k", "sink_v")
+#: token axis of each tensor a store keeps until it prepares (`KVStore.unprepared`)
+_UNPREPARED_AXES = {"k": 2, "v": 2, "valid": 1, "queries": 2, "x": 1}
 
 
 class CrossLayer:
@@ -116,6 +118,7 @@ class KVStore:
         self.sink_v: torch.Tensor | None = None
         self.chunks = EncodedChunks(self.pipeline.chunk)
         self.prepared: dict[str, torch.Tensor] = {}  # per-sequence state from the prompt
+        self.unprepared: dict[str, torch.Tensor] = {}  # the tokens appended while too few to prepare from
         self.params: dict[str, torch.Tensor] | None = None  # the layer's fitted parameters, on its device
         largest = self.window_limit if self.pipeline.window is None else self.pipeline.window.max_window
         self.recent = FullPrecisionWindow(largest, self.tracks_input)  # the residual window
@@ -183,19 +186,46 @@ class KVStore:
             self.recent.reserve(k, v, n + t, x)
             self.recent.with_new(k, v)
             self._count_in_window(k, valid, x, positions)
+            self._prepare_once_held(k, v, valid, inputs)
             return
         if valid is None:
             valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
         if self.positions is not None:
             self.positions.extend(positions, b, t, k.device, self.dropped)
-        first = self.length == 0 and not self.prepared
+        first = self.length == 0
         self.dtype, self.kv_heads, self.head_dim = k.dtype, k.shape[1], k.shape[-1]
         self.length += t
-        if first and pipe.needs_prepare:
-            own = {**(inputs or {}), **self._rope_inputs(0, t)}
-            self.prepared = pipe.prepare(k, v, layer=self.layer, valid=valid, inputs=own)
+        self._prepare_once_held(k, v, valid, inputs)
         self._settle(k, v, valid, x, attention, first)
         self._drop_unreadable()
+
+    @property
+    def awaits_prepare(self) -> bool:
+        """The pipeline prepares per-sequence state (`KVPipeline.prepare`) and the store holds too few tokens yet."""
+        return self.pipeline.needs_prepare and not self.prepared
+
+    def _prepare_once_held(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+                           inputs: Mapping[str, torch.Tensor] | None) -> None:
+        """Prepare the pipeline's per-sequence state from the first tokens, once the store holds at least one chunk
+        of them (so before any is encoded): a prompt as long is prepared from alone, as it comes; a shorter one's
+        tokens `[B, H, T, D]` (with their `valid`, queries and layer inputs) are kept, and the state prepared from
+        all of them with the tokens after. From one token (generation from a lone BOS) frontier-2bit's balance
+        scales are degenerate: its perplexity on SmolLM2 rose from 15.7 to 217 on the tokens after the first
+        chunk was encoded."""
+        if not self.awaits_prepare:
+            return
+        if valid is None:
+            valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+        held = {"k": k, "v": v, "valid": valid, **{n: t for n, t in (inputs or {}).items() if n in _UNPREPARED_AXES}}
+        if self.unprepared:
+            held = {n: torch.cat([self.unprepared[n], t], _UNPREPARED_AXES[n]) for n, t in held.items()}
+        if self.length < self.pipeline.chunk:
+            self.unprepared = held
+            return
+        self.unprepared = {}
+        k, v, valid = held.pop("k"), held.pop("v"), held.pop("valid")
+        own = {**(inputs or {}), **held, **self._rope_inputs(0, k.shape[2])}
+        self.prepared = self.pipeline.prepare(k, v, layer=self.layer, valid=valid, inputs=own)
 
     def _drop_unreadable(self) -> None:
         """Drop the sinks, then whole encoded chunks, that no later query of a sliding-window layer reads: those at
@@ -410,6 +440,7 @@ class KVStore:
         """Every tensor the store holds, by name."""
         held = {f"encoded.{n}": t for n, t in self.encoded.items()}
         held.update({f"prepared.{n}": t for n, t in self.prepared.items()})
+        held.update({f"unprepared.{n}": t for n, t in self.unprepared.items()})
         borrowed = self.pipeline.borrowed_params()  # views of the model's weights hold no memory of their own
         held.update({f"params.{n}": t for n, t in (self.params or {}).items() if n not in borrowed})  # predictors, bases
         for name in _HELD:
@@ -433,6 +464,7 @@ class KVStore:
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.chunks.map_batch(fn)
         self.prepared = {n: fn(t) for n, t in self.prepared.items()}
+        self.unprepared = {n: fn(t) for n, t in self.unprepared.items()}
         for name in _HELD:
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
@@ -474,6 +506,7 @@ class KVStore:
             )
         if self.positions is not None:
             self.positions.keep(keep)
+        self.unprepared = {n: t.narrow(_UNPREPARED_AXES[n], 0, keep) for n, t in self.unprepared.items()}
         if tokens <= self.n_residual:
             self.recent.n -= tokens
         else:  # the window goes with the dropped chunks; a partly kept chunk's tokens return to it, reconstructed

@@ -191,6 +191,26 @@ def test_inductor_whole_step_equals_eager(preset):  # kivi-4bit's graph is the o
 
 
 @torch.no_grad()
+def test_a_one_token_prompt_steps_eagerly_on_growing_stores_until_they_prepare():
+    """frontier-2bit prepares its balance scales once a chunk of tokens is held: after a one-token prompt the whole
+    step compiled (`compile_decode_step`) runs eagerly on growing stores until then, and on the fixed buffers after,
+    with the eager growing store's logits."""
+    model = tiny_model("llama")
+    ids, _ = _prompt(batch=1, pad=0, length=1)
+    pipe = torchkv.KVPipeline.from_preset("frontier-2bit", residual=32)
+    with torchkv.patched(model, pipe):
+        cache = torchkv.new_cache(model, max_cache_len=200)
+        step = torchkv.compile_decode_step(model)
+        waited = []
+        forward = lambda **kw: (waited.append(cache.awaits_prepare), step(**kw))[1]  # noqa: E731
+        compiled = _decode(model, cache, ids, 100, forward=forward)
+        eager = _decode(model, torchkv.new_cache(model), ids, 100)
+    assert waited == [True] * (pipe.chunk - 1) + [False] * (101 - pipe.chunk)
+    assert all(layer.frozen for layer in cache.layers) and int(cache.layers[0].static.buffers["n_chunks"]) == 2
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_inductor_shifts_a_window_longer_than_two_chunks_as_eager_does():
     """A window of 160 tokens whose flush shifts 128 of them by one chunk of 32 (kivi-2bit's defaults): the kept and
     the overwritten slots overlap, which Inductor's in-place shift once got wrong at SmolLM2's head sizes (logits

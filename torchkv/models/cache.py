@@ -158,8 +158,9 @@ class TorchKVLayer(CacheLayerMixin):
             shared.release()
 
     def freeze(self) -> None:
-        """Move the store's tokens into the fixed-capacity buffers (after a prompt; eager)."""
-        if self.static is not None and not self.frozen and self.store.length:
+        """Move the store's tokens into the fixed-capacity buffers (after a prompt; eager), once it has prepared
+        (`KVStore.awaits_prepare`: the buffers encode chunks with the prepared state)."""
+        if self.static is not None and not self.frozen and self.store.length and not self.store.awaits_prepare:
             self.static.freeze(self.store)
             self.frozen = True
 
@@ -330,6 +331,13 @@ class TorchKVCache(Cache):
                 f"{len(self.layers)} layers); a cache holds one model's keys and values: pass "
                 "torchkv.new_cache(model) for this one (or nothing)"
             )
+
+    @property
+    def awaits_prepare(self) -> bool:
+        """Some layer's store holds too few tokens to prepare its per-sequence state from (`KVStore.awaits_prepare`):
+        it stays out of the fixed-capacity buffers, so a compiled step would not hold it."""
+        return any(isinstance(store, KVStore) and store.awaits_prepare
+                   for layer in self.layers for store in layer.stores())
 
     def nbytes(self) -> int:
         """Bytes of storage of every tensor held by every layer, each storage once (layers share their position ids)."""

@@ -27,7 +27,7 @@ from torchkv.models.batch_invariant import make_linears_batch_invariant, restore
 from torchkv.ops.attention import PREFILL_KERNELS
 from torchkv.models.cache import TorchKVCache
 from torchkv.models.parallel import check_tensor_parallel
-from torchkv.models.step import with_whole_step_options
+from torchkv.models.step import eager_while_preparing, with_whole_step_options
 from torchkv.pipeline import CONFIG_FILE, DEFAULT_PRESET, KVPipeline
 
 
@@ -221,8 +221,8 @@ def patch(
         lambda module, args, kwargs: _use_torchkv_cache(model, keyword, args, kwargs), with_kwargs=True
     )] + [m.register_forward_pre_hook(_stage_layer_input, with_kwargs=True) for m in attention]
     compiled_call = type(model).get_compiled_call
-    model.get_compiled_call = lambda config: compiled_call(
-        model, with_whole_step_options(config or model._default_compile_config()))
+    model.get_compiled_call = lambda config: eager_while_preparing(model, compiled_call(
+        model, with_whole_step_options(config or model._default_compile_config())))
     # `generate`'s compiled step enters dynamo at the forward: one code object for every model of a class would
     # count each patch's graphs against the others' recompile limit (a hard error under fullgraph=True, eager code
     # otherwise). A forward already set on the instance (accelerate's hooks) is left as it is.

@@ -41,7 +41,8 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
     # torch 2.11 refuses mode="reduce-overhead" together with options: CUDA graphs are asked for as an option
     options = {**WHOLE_STEP_OPTIONS, "triton.cudagraphs": cuda_graphs,
                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-    compiled = torch.compile(own_cache(model.forward), fullgraph=True, dynamic=False, options=options)
+    compiled = eager_while_preparing(
+        model, torch.compile(own_cache(model.forward), fullgraph=True, dynamic=False, options=options))
 
     def step(*args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -63,6 +64,20 @@ def compile_decode_step(model, cuda_graphs: bool | None = None) -> Callable:
         return out
 
     return step
+
+
+def eager_while_preparing(model, compiled: Callable) -> Callable:
+    """`compiled` (a compiled forward of `model`), but the eager forward while the step's torchkv cache awaits the
+    tokens its pipeline prepares from (`TorchKVCache.awaits_prepare`: a prompt shorter than a chunk), whose stores
+    are not frozen into the fixed-capacity buffers yet."""
+
+    def forward(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, TorchKVCache) and cache.awaits_prepare:
+            return model.forward(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def _to_capacity(mask: torch.Tensor, capacity: int) -> torch.Tensor:
