@@ -169,8 +169,8 @@ class KVStore:
             k, v: [B, H, T, D] in the model's dtype.
             valid: [B, T] bool, False at padding (kept out of quantization statistics).
             positions: [B or 1, T] position ids (default: their index in the sequence).
-            inputs: model-side tensors of these T tokens that `prepare` may read (e.g. "queries");
-                only the first call, the prompt, prepares. Stores that `tracks_input` need "x" `[B, T, d]`,
+            inputs: model-side tensors of these T tokens that `prepare` may read (e.g. "queries"), read once
+                a chunk of tokens is held (`_prepare_once_held`). Stores that `tracks_input` need "x" `[B, T, d]`,
                 the layer input, which they keep for window tokens until those are encoded.
             attention: [T, sinks + window + T] float32, the attention probability each new token's
                 query gave each full-precision token (sinks, window, new tokens), averaged over batch
@@ -192,7 +192,7 @@ class KVStore:
             valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
         if self.positions is not None:
             self.positions.extend(positions, b, t, k.device, self.dropped)
-        first = self.length == 0
+        first = self.length == 0 and not self.prepared
         self.dtype, self.kv_heads, self.head_dim = k.dtype, k.shape[1], k.shape[-1]
         self.length += t
         self._prepare_once_held(k, v, valid, inputs)
