@@ -20,14 +20,14 @@ measured costs it helps the keys of 18 of SmolLM2's 30 layers and hurts 9. Chose
 (`benchmarks/reallocate.py --also`) it meets 4% on every domain at 2.1 bits, at 0.64x the CPU decode speed; the GPU
 grid kernel adds its offsets per token. Values in HIGGS codes (`values="higgs"`) are off: on Gemma 3 at 2.5 bits,
 tuned beside uniform values, they gain 1.3 points on code and lose up to 0.6 on wiki (`benchmarks/results/gemma3/`).
-Value scales refitted so that no value row is shrunk (`unbiased_values`, `quantizers.unbiased_scale`) are off in the
-presets, whose figures predate them, and on in the recommended recipe's folders: a nearest-level code with the
-MSE-optimal step keeps only `1 − MSE` of each row (0.88 at 2 bits, 0.64 at 1), and attention averages the codes'
-errors away but not that shrinkage; on Gemma 3's folder held to 2.5 bits they cut the loss from +2.65 / +3.43 /
-+3.10% to +1.25 / +2.15 / +1.13% (streaming at 2K, `benchmarks/results/gemma3/`). Unbiased keys lose (SmolLM2
-`frontier-2bit`, 2K: +2.51 / +8.20 / +7.83% against +1.76 / +5.18 / +6.38%): the shrinkage cools scores that
-carry the codes' noise. Values centred by their prompt medians (`value_center`) are off: on Gemma 3's held folder
-they lose 0.9-1.8 points on every domain, though they cut the values' error.
+Value scales refitted so that no value row is shrunk (`unbiased_values`, `quantizers.unbiased_scale`) are off: a
+nearest-level code with the MSE-optimal step keeps only `1 − MSE` of each row (0.88 at 2 bits, 0.64 at 1), and
+attention averages the codes' errors away but not that shrinkage; on Gemma 3's folder held to 2.5 bits they cut the
+loss from +2.65 / +3.43 / +3.10% to +1.25 / +2.15 / +1.13% (streaming at 2K, `benchmarks/results/gemma3/`), but on
+SmolLM2's per-head folder at 2.5 bits they raise it from +0.12 / +1.04 / +1.22% to +0.71 / +1.20 / +1.54%.
+Unbiased keys lose (SmolLM2 `frontier-2bit`, 2K: +2.51 / +8.20 / +7.83% against +1.76 / +5.18 / +6.38%): the
+shrinkage cools scores that carry the codes' noise. Values centred by their prompt medians (`value_center`) are
+off: on Gemma 3's held folder they lose 0.9-1.8 points on every domain, though they cut the values' error.
 The measurements behind each choice are in `benchmarks/results/frontier/` and `benchmarks/results/domains/ablations/`.
 """
 
