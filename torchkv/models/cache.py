@@ -337,7 +337,7 @@ class TorchKVCache(Cache):
         """Some layer's store holds too few tokens to prepare its per-sequence state from (`KVStore.awaits_prepare`):
         it stays out of the fixed-capacity buffers, so a compiled step would not hold it."""
         return any(isinstance(store, KVStore) and store.awaits_prepare
-                   for layer in self.layers for store in layer.stores())
+                   for layer in self.layers if not layer.frozen for store in layer.stores())  # (a host check per step)
 
     def nbytes(self) -> int:
         """Bytes of storage of every tensor held by every layer, each storage once (layers share their position ids)."""
