@@ -347,6 +347,20 @@ def test_generate_compiles_the_step_with_a_compile_config():
     assert torch.equal(compiled, eager)
 
 
+def test_generate_from_a_one_token_prompt_with_a_compile_config_waits_for_the_prepared_state():
+    """`generate`'s compiled call runs eagerly until frontier-2bit's stores hold a chunk and prepare, then compiled on
+    the fixed buffers (chunks encoded there), and generates what eager generation does."""
+    model = tiny_model("llama")
+    ids, mask = _prompt(batch=1, pad=0, length=1)
+    config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    config._compile_all_devices = True
+    with torchkv.patched(model, torchkv.KVPipeline.from_preset("frontier-2bit", residual=32)):
+        eager = _generate(model, ids, mask, n=100, cache_implementation="static").sequences
+        out = _generate(model, ids, mask, n=100, cache_implementation="static", compile_config=config)
+    assert hasattr(model, "_compiled_call") and int(out.past_key_values.layers[0].static.buffers["n_chunks"]) == 2
+    assert torch.equal(out.sequences, eager)
+
+
 def test_each_patch_compiles_the_forward_on_a_code_object_of_its_own():
     """`generate`'s compiled step enters dynamo at the model's forward, whose code object every model of a class
     shares. A patched model gets a copy of its own, so graphs compiled under other patches (other presets, other
