@@ -103,6 +103,7 @@ class KVStore:
         self.sliding_window = sliding_window if drops else None
         self.tracks_positions = bool({"cos", "sin"} & pipeline.requires)
         self.tracks_input = "x" in pipeline.requires  # XQuant encodes the window's tokens from their layer input
+        self.prepares = pipeline.needs_prepare  # per-sequence state from the first tokens (`_prepare_once_held`)
         if self.tracks_positions and rope is None:
             raise ValueError(f"pipeline '{pipeline.name}' reads the tokens' cos/sin in layer {layer} (pre-RoPE "
                              "keys, or a turned centre); the store needs the model's rope function, as torchkv.patch "
@@ -202,7 +203,7 @@ class KVStore:
     @property
     def awaits_prepare(self) -> bool:
         """The pipeline prepares per-sequence state (`KVPipeline.prepare`) and the store holds too few tokens yet."""
-        return self.pipeline.needs_prepare and not self.prepared
+        return self.prepares and not self.prepared
 
     def _prepare_once_held(self, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
                            inputs: Mapping[str, torch.Tensor] | None) -> None:
