@@ -425,6 +425,20 @@ class KVStore:
             vs.append(v)
         return torch.cat(ks, 2), torch.cat(vs, 2)
 
+    def history_noise(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the pipeline corrects key scores for their codes' noise (`KVPipeline.history_noise`), for queries
+        `[B, Hq, Q, D]` over `history()`: (`‖q'‖²` `[B, Hq, Q]`, each held token's noise `[B, H, length]`, zero for
+        the full-precision ones); None otherwise."""
+        if not self.n_encoded:
+            return None
+        found = self.pipeline.history_noise(query, self.encoded, head_dim=self.head_dim, prepared=self.prepared,
+                                            params=self.params)
+        if found is None:
+            return None
+        norms, noise = found
+        b, h = noise.shape[:2]
+        return norms, torch.cat([noise.new_zeros(b, h, self.n_sinks), noise, noise.new_zeros(b, h, self.n_residual)], 2)
+
     def full_precision(self, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sinks, window and the new tokens, in order: `(k, v)` each `[B, H, sinks + window + new, D]`.
 

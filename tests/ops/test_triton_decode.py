@@ -178,12 +178,14 @@ def grid_cases(draw):
             "span": draw(st.sampled_from(["head", "token"])), "balance": draw(st.booleans()),
             "key_meta": draw(st.sampled_from(["float16", "float32", "float8_e5m2", "float8_e4m3fn"])),
             "value_meta": draw(st.sampled_from(["float16", "float8_e5m2", "float8_e4m3fn"])),
-            "tiny": c["dtype"] == torch.float32 and draw(st.booleans())}  # 16-bit tokens this small are subnormal
+            "tiny": c["dtype"] == torch.float32 and draw(st.booleans()),  # 16-bit tokens this small are subnormal
+            "score_correction": draw(st.booleans())}
 
 
 def _grid_pipeline(c, compile: bool | str = "auto") -> torchkv.KVPipeline:
     dim = {1: 8, 2: 4, 2.5: 2, 3: 2, 3.5: 2, 4: 2}[c["key_bits"]]  # 8-bit codes, and 5-, 6- and 7-bit ones in words
-    higgs = T.quantize("higgs", bits=c["key_bits"], dim=dim, span=c["span"], scale_dtype=c["key_meta"])
+    higgs = T.quantize("higgs", bits=c["key_bits"], dim=dim, span=c["span"], scale_dtype=c["key_meta"],
+                       score_correction=c.get("score_correction", False))
     values = T.quantize(bits=c["bits"], axis="token", group=None, symmetric=True, step="gaussian",
                         meta_dtype=c["value_meta"])
     keys = [*([T.predict("rotary_center")] if c.get("rotary_center") else []),
@@ -213,21 +215,25 @@ def _grid_inputs(c):
     return pipe, to(state), to(prepared), to(rope), *(t.to(DEVICE) for t in (q, kf, vf, mask, live))
 
 
-def _grid_args(pipe, s, q, kf, vf, mask, live, softcap, bias):
+def _grid_args(pipe, s, q, kf, vf, mask, live, softcap, bias, noise: bool = False):
+    """The kernel's arguments; with `noise`, a score-noise correction of each query head (its scale as
+    `Codec.kernel_attend` gives it, half the grid's MSE times the query's squared norm)."""
     b, hq, _, d = q.shape
     higgs = pipe.keys.transforms[pipe.keys.reader]
+    per_head = 0.5 * 0.1 * q.reshape(b, hq, d).float().square().sum(-1) if noise else None
     return (q.reshape(b, hq, d), q.reshape(b, hq, d), s["k.out"],
             s[f"k.{pipe.keys.reader}.scale"][..., 0], higgs.grid_on(q.device), s["v.out"],
             s[f"v.{pipe.values.reader}.scale"][..., 0], kf, vf,
-            mask, bias, live, softcap, higgs.row_norm(kf.shape[1], d), pipe.values.transforms[1].config.bits,
-            higgs.code_bits)
+            mask, bias, live, softcap, per_head, higgs.row_norm(kf.shape[1], d),
+            pipe.values.transforms[1].config.bits, higgs.code_bits)
 
 
 @settings(max_examples=8)  # the suite's time: grid cases share the KIVI cases' split, mask and combine code
 @given(c=grid_cases(), token_bias=st.booleans())
 def test_grid_kernel_equals_eager_reference(c, token_bias):
     pipe, s, _, _, q, kf, vf, mask, live = _grid_inputs(c)
-    args = _grid_args(pipe, s, q, kf, vf, mask, live, c["softcap"], _bias(c, q, c["chunks"] * pipe.chunk, token_bias))
+    args = _grid_args(pipe, s, q, kf, vf, mask, live, c["softcap"], _bias(c, q, c["chunks"] * pipe.chunk, token_bias),
+                      noise=c["score_correction"])
     expected = triton_grid_decode.grid_decode_reference(*args)
     got = triton_grid_decode.grid_decode(*args)
     for name, x, y in zip(("out", "lse", "s_fp"), got, expected):
@@ -269,11 +275,11 @@ def test_pipeline_grid_kernel_path_equals_the_inductor_path(c, rotary_center):
 @pytest.mark.parametrize("key_bits", [2.5, 3, 3.5])
 def test_grid_many_splits_combine(key_bits):
     """Many splits of 5-, 6- and 7-bit key codes packed in words (the 2.5-, 3- and 3.5-bit grids): the codes that
-    straddle bytes read right, and a bias per token at each split's own tokens."""
+    straddle bytes read right, and a bias per token at each split's own tokens with a score-noise correction."""
     c = {**LONG_GRID_CASE, "key_bits": key_bits}
     pipe, s, _, _, q, kf, vf, mask, live = _grid_inputs(c)
     assert triton_decode._splits(1, 40 * 32)[1] > 8
-    args = _grid_args(pipe, s, q, kf, vf, mask, live, 0.0, _bias(c, q, 40 * 32, per_token=True))
+    args = _grid_args(pipe, s, q, kf, vf, mask, live, 0.0, _bias(c, q, 40 * 32, per_token=True), noise=True)
     for x, y in zip(triton_grid_decode.grid_decode(*args), triton_grid_decode.grid_decode_reference(*args)):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 

@@ -28,6 +28,9 @@ SmolLM2's per-head folder at 2.5 bits they raise it from +0.12 / +1.04 / +1.22% 
 Unbiased keys lose (SmolLM2 `frontier-2bit`, 2K: +2.51 / +8.20 / +7.83% against +1.76 / +5.18 / +6.38%): the
 shrinkage cools scores that carry the codes' noise. Values centred by their prompt medians (`value_center`) are
 off: on Gemma 3's held folder they lose 0.9-1.8 points on every domain, though they cut the values' error.
+Scores less half their codes' expected noise variance (`score_correction`: a noisy score weighs `exp(σ²/2)` more on
+average, `HiggsQuantize.token_noise`) are off: they gain on SmolLM2's wiki (3.29 to 1.60% at 8K in prompt mode) and
+lose on its code (14.09 to 19.90%) and on every domain of Gemma 3 (2.4-4.4 points streaming at 2K).
 The measurements behind each choice are in `benchmarks/results/frontier/` and `benchmarks/results/domains/ablations/`.
 """
 
@@ -42,10 +45,12 @@ VALUES = ("uniform", "higgs")
 
 
 def _keys(bits: int | float, dim: int, span: str, center: bool, balance: bool, scale_dtype: str,
-          query_metric: bool = False, rotary_center: bool = False, unbiased: bool = False) -> list:
+          query_metric: bool = False, rotary_center: bool = False, unbiased: bool = False,
+          score_correction: bool = False) -> list:
     """Centred (`center`: by a fixed offset; `rotary_center`: by one turned to each position) and balanced HIGGS
     keys on the `dim`-D grid, or the largest grid with `bits` where no `dim`-D one has them (2-D for 2.5 to 4 bits,
-    8-D for 1 bit); with `query_metric`, codes chosen under the balanced prompt queries' second moment."""
+    8-D for 1 bit); with `query_metric`, codes chosen under the balanced prompt queries' second moment; with
+    `score_correction`, scores less half their codes' noise variance (`HiggsQuantize.token_noise`)."""
     if center and rotary_center:
         raise ValueError("frontier takes center=True or rotary_center=True, not both: each removes the keys' offset")
     if query_metric and not balance:
@@ -53,7 +58,7 @@ def _keys(bits: int | float, dim: int, span: str, center: bool, balance: bool, s
                          "balance=True")
     dim = higgs_dim(bits, dim) or dim  # no grid has `bits`: the quantizer's error lists the shipped ones
     higgs = T.quantize("higgs", bits=bits, dim=dim, span=span, scale_dtype=scale_dtype, query_metric=query_metric,
-                       unbiased=unbiased)
+                       unbiased=unbiased, score_correction=score_correction)
     return [*([T.predict("center")] if center else []), *([T.predict("rotary_center")] if rotary_center else []),
             *([T.project("balance")] if balance else []), higgs, T.pack()]
 
@@ -73,6 +78,7 @@ def frontier(
     values: str = "uniform", scale_dtype: str = "float16", wide_layers: int = 0, wide_bits: int = 4, sinks: int = 4,
     residual: int = 128, chunk: int = 32, key_bits: int | float | None = None, query_metric: bool = False,
     rotary_center: bool = False, value_center: bool = False, unbiased_values: bool = False,
+    score_correction: bool = False,
 ) -> KVPipeline:
     """Keys: optionally centred (`center`, or `rotary_center` by the prompt's pre-RoPE medians turned to each
     position, an offset decode adds to each token's score), query-balanced (`balance`) post-RoPE HIGGS at
@@ -80,12 +86,15 @@ def frontier(
     "token": all its KV heads), each code and norm chosen under the balanced prompt queries' second moment where
     `query_metric`; values: optionally centred by their prompt medians (`value_center`), then `values` "uniform"
     (Hadamard, then a Gaussian-step scale per token and head) or "higgs" at `bits`, each scale refitted after the
-    codes so that no row is shrunk where `unbiased_values`; scales in `scale_dtype`."""
+    codes so that no row is shrunk where `unbiased_values`; scales in `scale_dtype`. With `score_correction`,
+    attention subtracts from each encoded key's score half its expected noise variance, `½·mse·‖q‖²·(s/√F)²`
+    (`HiggsQuantize.token_noise`): the same stored form and bits."""
     if values not in VALUES:
         raise ValueError(f"frontier values={values!r}; allowed: {VALUES}")
 
     def chains(width: int, key_width: int) -> tuple[list, list]:
-        return (_keys(key_width, dim, span, center, balance, scale_dtype, query_metric, rotary_center),
+        return (_keys(key_width, dim, span, center, balance, scale_dtype, query_metric, rotary_center,
+                      score_correction=score_correction),
                 _values(width, values, dim, span, scale_dtype, value_center, unbiased_values))
 
     keys, vals = chains(bits, bits if key_bits is None else key_bits)

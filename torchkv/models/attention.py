@@ -7,7 +7,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from torchkv.models.mask import MaskSpec, torchkv_mask
 from torchkv.models.prompt_attention import attend
-from torchkv.ops.attention import attend_dense
+from torchkv.ops.attention import attend_dense, with_score_bias
 
 ATTENTION_NAME = "torchkv"
 
@@ -24,16 +24,22 @@ def _sparse(query, store, k_new, v_new, spec: MaskSpec, scaling: float, softcap:
     k_fp, v_fp = store.full_precision(k_new, v_new)
     keys, values = torch.cat([k_sel, k_fp], 2), torch.cat([v_sel, v_fp], 2)
     q_len, before = query.shape[2], keys.shape[2] - k_new.shape[2]
+    dim, noise = query.shape[-1], store.history_noise(query)
+    if noise is not None:  # the selected tokens' noise, then none for the full-precision ones
+        norms, held = noise
+        selected = held[..., store.n_sinks : store.n_sinks + store.n_encoded].gather(2, tokens)
+        noise = torch.cat([selected, held.new_zeros(*held.shape[:2], keys.shape[2] - tokens.shape[2])], 2)
+        query, keys, values = with_score_bias(query, keys, values, norms, noise, scaling)
     if spec.causal:  # every held token is visible; the new ones causally among themselves
         mask = torch.ones(q_len, keys.shape[2], dtype=torch.bool, device=query.device)
         mask[:, before:] = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
-        return attend_dense(query, keys, values, mask[None, None], scaling, softcap)[0]
+        return attend_dense(query, keys, values, mask[None, None], scaling, softcap)[0][..., :dim]
     ordered = store.attention_order(spec.dense(q_len, store.length + q_len, query.device))  # encoded first
     b, h, n_enc = *tokens.shape[:2], store.n_encoded
     encoded = ordered[..., :n_enc].expand(b, h, q_len, n_enc)
     selected = encoded.gather(-1, tokens[:, :, None].expand(b, h, q_len, tokens.shape[-1]))  # [B, H, Q, K·c]
     rest = ordered[..., n_enc:].expand(b, h, q_len, -1)
-    return attend_dense(query, keys, values, torch.cat([selected, rest], -1), scaling, softcap)[0]
+    return attend_dense(query, keys, values, torch.cat([selected, rest], -1), scaling, softcap)[0][..., :dim]
 
 
 def torchkv_attention(
@@ -151,25 +157,39 @@ def _attend_and_commit(layer, query, attention_mask: MaskSpec, scaling: float, s
     if layer.simulated:  # every token, the queries' own included, is read in its stored form
         layer.commit(*commit)
         keys, values = store.history()
-        out = attend(query, keys, values, attention_mask, scaling, softcap, kernel)
-        return out
+        query, keys, values, dim = _corrected(store, query, keys, values, scaling)
+        return attend(query, keys, values, attention_mask, scaling, softcap, kernel)[..., :dim]
     if not store.length:
         out = attend(query, k_new, v_new, attention_mask, scaling, softcap, kernel)
         layer.commit(*commit)
         return out
     k_old, v_old = store.history()
     keys, values = torch.cat([k_old, k_new], 2), torch.cat([v_old, v_new], 2)
+    query, keys, values, dim = _corrected(store, query, keys, values, scaling)
     if store.pipeline.window is None or not store.pipeline.window.reads_attention:
-        out = attend(query, keys, values, attention_mask, scaling, softcap, kernel)
+        out = attend(query, keys, values, attention_mask, scaling, softcap, kernel)[..., :dim]
         layer.commit(*commit)
         return out
     # a window policy reads this step's own probabilities of the full-precision tokens
     mask = attention_mask.dense(query.shape[2], keys.shape[2], query.device)
     out, probs = attend_dense(query, keys, values, mask, scaling, softcap)
+    out = out[..., :dim]
     probs = probs.mean((0, 1, 2))  # [Q, N], N in token order: sinks, encoded, window, new
     fp = torch.cat([probs[:, : store.n_sinks], probs[:, store.n_sinks + store.n_encoded :]], 1)
     layer.commit(*commit, attention=fp)
     return out
+
+
+def _corrected(store, query, keys, values, scaling: float):
+    """`(query, keys, values, D)`: as given, or widened (`with_score_bias`) where the pipeline corrects the held
+    tokens' scores for their codes' noise (`KVStore.history_noise`); attention's output is its first D features.
+    `keys`/`values` [B, H, N, D] are the store's history, then any new tokens (no noise)."""
+    dim, noise = query.shape[-1], store.history_noise(query)
+    if noise is None:
+        return query, keys, values, dim
+    norms, held = noise
+    held = torch.cat([held, held.new_zeros(*held.shape[:2], keys.shape[2] - held.shape[2])], 2)
+    return *with_score_bias(query, keys, values, norms, held, scaling), dim
 
 
 def register() -> None:

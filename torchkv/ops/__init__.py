@@ -3,6 +3,7 @@
 from torchkv.ops.hadamard import hadamard, hadamard_block
 from torchkv.ops.higgs import (
     GRIDS,
+    gaussian_mse,
     higgs_dequantize,
     higgs_quantize,
     lloyd_grid,
@@ -26,6 +27,7 @@ __all__ = [
     "turned_dot",
     "turned_dot_by_chunk",
     "dequantize",
+    "gaussian_mse",
     "hadamard",
     "hadamard_block",
     "higgs_dequantize",

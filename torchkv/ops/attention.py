@@ -122,6 +122,32 @@ def sdpa_by_query_blocks(
     return out
 
 
+#: features `with_score_bias` appends: a multiple of 8 keeps SDPA's fused kernels (the first one carries the bias)
+BIAS_FEATURES = 8
+
+
+def with_score_bias(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, norms: torch.Tensor,
+                    noise: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, keys and values with `BIAS_FEATURES` features appended, so that attention at `scale` over them scores
+    query i and key t as `scale·q_i·k_t − ½·scale²·norms_i·noise_t` (the score-noise correction of
+    `HiggsQuantize.token_noise`: a rank-one bias, one feature of the query times one of the key) and returns the
+    attention output in its first D features.
+
+    Args:
+        query: [B, Hq, Q, D]. keys, values: [B, H, N, D]. norms: [B, Hq, Q]. noise: [B, H, N].
+
+    Returns:
+        query, keys, values, each [..., D + BIAS_FEATURES].
+    """
+    def widened(x: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+        extra = x.new_zeros(*x.shape[:-1], BIAS_FEATURES)
+        if first is not None:
+            extra[..., 0] = first
+        return torch.cat([x, extra], -1)
+
+    return widened(query, norms), widened(keys, noise * (-0.5 * scale)), widened(values, None)
+
+
 def block_mask_from(mask_mod: Callable, batch: int | None, q_len: int, kv_len: int, device) -> BlockMask:
     """`create_block_mask` over one head (the mask is the same for every head)."""
     return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)

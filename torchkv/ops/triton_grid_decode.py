@@ -33,13 +33,20 @@ FLOAT8 = {torch.float8_e5m2: (2, 15), torch.float8_e4m3fn: (3, 7)}
 
 
 def grid_decode_reference(q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live, softcap: float,
-                          key_norm: float, bits_v: int, code_bits: int):
+                          noise, key_norm: float, bits_v: int, code_bits: int):
     """Eager reference of `grid_decode` (dequantizes the whole history; for tests only). Shapes as `grid_decode`."""
     from torchkv.ops.pack import unpack_bits
 
     d = q_fp.shape[-1]
     codes = unpack_bits(kc, code_bits, d // grid.shape[-1]).long()  # [B, H, TE, K]
-    k_hat = grid[codes].flatten(-2) * (ks.float()[..., None] * key_norm)  # [B, H, TE, D]
+    mult = ks.float() * key_norm  # [B, H or 1, TE]
+    k_hat = grid[codes].flatten(-2) * mult[..., None]  # [B, H, TE, D]
+    if noise is not None:  # a bias per query head and token: the noise correction, with any bias given
+        b, hq = noise.shape
+        h = kc.shape[1]
+        mult = mult.expand(b, h, -1).repeat_interleave(hq // h, 1)  # [B, Hq, TE]
+        given = 0.0 if bias is None else bias if bias.dim() == 3 else bias[..., None]
+        bias = given - noise[..., None] * mult.square()
     v_hat = (unpack_bits(vc, bits_v, d).float() - (2**bits_v - 1) / 2) * vs.float()[..., None]
     return triton_decode.reference_attention(q_enc, q_fp, k_hat, v_hat, kf, vf, mask, bias, live, softcap)
 
@@ -80,17 +87,21 @@ if triton is not None:
         return codes
 
     @triton.jit
-    def _grid_scores(q, kc, ks, grid, row, srow, tmask, extra, key_norm, K, KB,
+    def _grid_scores(q, kc, ks, grid, row, srow, tmask, extra, noise, key_norm, K, KB,
                      DG: tl.constexpr, K_PAD: tl.constexpr, CODE_BITS: tl.constexpr, BLOCK: tl.constexpr,
-                     K_MANT: tl.constexpr, K_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+                     K_MANT: tl.constexpr, K_BIAS: tl.constexpr, HAS_NOISE: tl.constexpr, DOT: tl.constexpr,
+                     PRECISION: tl.constexpr):
         """q · k̂ [BLOCK_G, BLOCK] of the tokens at `row`s: their K grid indices gathered to points in registers
-        [BLOCK, K_PAD·DG] (channel order), one dot, each token's multiplier applied to its column."""
+        [BLOCK, K_PAD·DG] (channel order), one dot, each token's multiplier m applied to its column; with HAS_NOISE,
+        less `noise·m²` (`noise` [BLOCK_G]: each query head's half noise variance per squared multiplier)."""
         codes = _grid_codes(kc, row, tmask, K, KB, CODE_BITS, K_PAD)
         j = tl.arange(0, DG)
         points = tl.load(grid + codes[:, :, None] * DG + j[None, None, :])  # [BLOCK, K_PAD, DG]
         k = tl.reshape(points, (BLOCK, K_PAD * DG))
         s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), input_precision=PRECISION)
         mult = _meta(ks, srow, tmask, K_MANT, K_BIAS) * key_norm
+        if HAS_NOISE:
+            return s * mult[None, :] - noise[:, None] * (mult * mult)[None, :] + extra[:, None]
         return s * mult[None, :] + extra[:, None]
 
     @triton.jit
@@ -103,15 +114,15 @@ if triton is not None:
 
     @triton.jit
     def _grid_split_kernel(
-        q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live,
+        q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live, noise,
         part_o, part_m, part_l, s_fp,
         H, SH, TE, F, K, KB, MV, SPLIT, NSPLIT, mask_rows, mask_cols, softcap, key_norm,
         G: tl.constexpr, D: tl.constexpr, DG: tl.constexpr, K_PAD: tl.constexpr, CODE_BITS: tl.constexpr,
         BITS_V: tl.constexpr, MV_PAD: tl.constexpr,
         K_MANT: tl.constexpr, K_BIAS: tl.constexpr, V_MANT: tl.constexpr, V_BIAS: tl.constexpr,
         HAS_MASK: tl.constexpr, HEAD_BIAS: tl.constexpr, TOKEN_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
-        SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-        DOT: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_NOISE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One split of one (batch row, KV head): its GQA group's partial softmax over encoded tokens [start, end),
         or, for the last split, over the full-precision tokens."""
@@ -132,12 +143,15 @@ if triton is not None:
             q = tl.load(q_enc + hq[:, None] * D + dk[None, :], mask=gmask[:, None] & (dk < D)[None, :], other=0.0)
             start, end, extra = _split_bounds(split, SPLIT, TE, bias, hq, gmask, live, BLOCK_G, HEAD_BIAS, HAS_LIVE)
             scale_head = (bh - b * H) % SH  # a multiplier per token and head (SH = H) or per token (SH = 1)
+            nz = m  # unread without HAS_NOISE
+            if HAS_NOISE:
+                nz = tl.load(noise + hq, mask=gmask, other=0.0)
             for t0 in range(start, end, BLOCK):
                 t = t0 + ob
                 tmask = t < end
                 row = bh * TE + t  # token row of the [B·H, TE, ...] tensors
-                s = _grid_scores(q, kc, ks, grid, row, (b * SH + scale_head) * TE + t, tmask, extra, key_norm, K,
-                                 KB, DG, K_PAD, CODE_BITS, BLOCK, K_MANT, K_BIAS, DOT, PRECISION)
+                s = _grid_scores(q, kc, ks, grid, row, (b * SH + scale_head) * TE + t, tmask, extra, nz, key_norm,
+                                 K, KB, DG, K_PAD, CODE_BITS, BLOCK, K_MANT, K_BIAS, HAS_NOISE, DOT, PRECISION)
                 s = _token_bias(s, bias, hq, t, gmask, tmask, TE, TOKEN_BIAS)
                 s = _scored(s, t, tmask, mask, mrow, softcap, SOFTCAP, HAS_MASK)
                 v = _symmetric_values(vc, vs, row, tmask, MV, BITS_V, MV_PAD, BLOCK, V_MANT, V_BIAS)
@@ -159,8 +173,8 @@ def _stored(meta: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 def grid_decode(
     q_enc: torch.Tensor, q_fp: torch.Tensor, kc: torch.Tensor, ks: torch.Tensor, grid: torch.Tensor,
     vc: torch.Tensor, vs: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, mask: torch.Tensor | None,
-    bias: torch.Tensor | None, live: torch.Tensor | None, softcap: float, key_norm: float, bits_v: int,
-    code_bits: int,
+    bias: torch.Tensor | None, live: torch.Tensor | None, softcap: float, noise: torch.Tensor | None,
+    key_norm: float, bits_v: int, code_bits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode attention of one query per row over grid-coded keys, symmetric per-token value codes and
     full-precision tokens.
@@ -175,6 +189,8 @@ def grid_decode(
         kf, vf: [B, H, F, D] the full-precision tokens (sinks, window, new), after the encoded ones; vf in the
             values' stored domain.
         mask, bias, live, softcap: as in `triton_decode.kivi_decode` (a bias per token: a turned centre's offsets).
+        noise: None, or [B, Hq] float32, each query head's half score-noise variance per squared multiplier
+            (`HiggsQuantize.token_noise`): an encoded token's score less `noise·(m·r)²`, before soft-capping.
 
     Returns:
         out [B, Hq, D] float32, in the values' stored domain; lse [B, Hq]; s_fp [B, Hq, F], as `kivi_decode`.
@@ -199,14 +215,16 @@ def grid_decode(
         q_enc.contiguous(), q_fp.contiguous(), kc.contiguous(), ks, grid.contiguous().float(), vc.contiguous(), vs,
         kf.contiguous(), vf.contiguous(),
         unread if mask is None else mask.contiguous().view(torch.uint8), unread if bias is None else bias.contiguous(),
-        unread if live is None else live, part_o, part_m, part_l, s_fp,
+        unread if live is None else live, unread if noise is None else noise.contiguous(), part_o, part_m, part_l,
+        s_fp,
         h, ks.shape[1], te, f, k, kb, mv,
         per, nsplit, 1 if mask is None else mask.shape[0], te + f, float(softcap), float(key_norm),
         G=g, D=d, DG=dg, K_PAD=triton.next_power_of_2(k), CODE_BITS=code_bits, BITS_V=bits_v,
         MV_PAD=triton.next_power_of_2(mv),
         K_MANT=k_mant, K_BIAS=k_bias, V_MANT=v_mant, V_BIAS=v_bias,
         HAS_MASK=mask is not None, **triton_decode.bias_flags(bias, b, hq, te), HAS_LIVE=live is not None,
-        SOFTCAP=bool(softcap), BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK=triton_decode.BLOCK_T,
+        HAS_NOISE=noise is not None, SOFTCAP=bool(softcap), BLOCK_G=max(16, triton.next_power_of_2(g)),
+        BLOCK_D=block_d, BLOCK=triton_decode.BLOCK_T,
         **_dot(kf.dtype), num_warps=triton_decode.NUM_WARPS, num_stages=triton_decode.NUM_STAGES,
     )
     out = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
@@ -217,7 +235,7 @@ def grid_decode(
 
 
 @grid_decode.register_fake
-def _(q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live, softcap, key_norm, bits_v, code_bits):
+def _(q_enc, q_fp, kc, ks, grid, vc, vs, kf, vf, mask, bias, live, softcap, noise, key_norm, bits_v, code_bits):
     b, hq, d = q_fp.shape
     return (q_fp.new_empty(b, hq, d, dtype=torch.float32), q_fp.new_empty(b, hq, dtype=torch.float32),
             q_fp.new_empty(b, hq, kf.shape[2], dtype=torch.float32))

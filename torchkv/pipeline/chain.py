@@ -51,6 +51,14 @@ class Chain:
         self.scores_stored = self.rebuilds["scores"] is None
         #: decode attention sums the stored form (transforms before the reader map sums back)
         self.sums_stored = self.rebuilds["sums"] is None
+        #: the reader's scores are corrected for its codes' noise (`Transform.token_noise`)
+        self.corrects_scores = bool(resolved) and resolved[self.reader].corrects_scores
+        correcting = [t for i, t in enumerate(resolved) if t.corrects_scores and (i != self.reader
+                                                                                  or not self.scores_stored)]
+        if correcting:
+            why = self.rebuilds["scores"] if correcting[0] is resolved[self.reader] else "it is not the chain's reader"
+            raise ValueError(f"{correcting[0]!r} corrects the scores of its codes, which needs attention to score "
+                             f"them through its stored form, and {why}: drop score_correction=True")
         #: index of the first transform after the position-dependent ones (those reading "cos"/"sin") and the
         #: rematerializing ones: its decoded input is the chain's carried reconstruction, what a cross-layer
         #: predictor of the next layer reads: pre-RoPE keys (AQUA-KV), or the cached layer input X̂ (XQuant)
@@ -116,6 +124,21 @@ class Chain:
         if offset is None:
             return scores
         return scores + offset.unflatten(-1, scores.shape[-2:] if offset.shape[-1] > 1 else (1, 1))
+
+    def score_noise(self, q: torch.Tensor, state: Mapping[str, torch.Tensor], dim: int, own: LayerState
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the reader corrects its scores (`Transform.token_noise`): `‖q'‖²` `[B, H, g]` of `q: [B, H, g, dim]`
+        carried to the reader, and each encoded token's noise per unit of it `[B, H or 1, *token axes]` (state flat
+        or viewed by chunk): the score of token t has an error of variance `‖q'‖²·noise_t`. None: no correction."""
+        if not self.corrects_scores:
+            return None
+        r, dims = self.reader, self.dims(dim)
+        noise = self.transforms[r].token_noise(substate(state, f"{r}."), state["out"].shape[1], dims[r])
+        if noise is None:
+            return None
+        for i, t in enumerate(self.transforms[:r]):
+            q = t.map_query(q, self._ctx(i, dims[i], own))
+        return q.float().square().sum(-1), noise[..., 0]
 
     def mapped_query(self, q: torch.Tensor, dim: int, own: LayerState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`q: [B, H, g, dim]` carried through the transforms before the reader: `(q', offset)` with

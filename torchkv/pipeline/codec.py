@@ -38,6 +38,9 @@ class Codec:
     """
 
     def __init__(self, keys: Chain, values: Chain, carries: bool, compile: bool | str):
+        if any(t.corrects_scores for chain in getattr(values, "chains", [values]) for t in chain.transforms):
+            raise ValueError("score_correction=True corrects the scores of key codes; values are not scored: drop it "
+                             "from the value chain")
         self.keys, self.values, self.carries, self.compile = keys, values, carries, compile
         self.compiled: dict[str, object] = {}
         self.eager_calls: dict[str, int] = {}
@@ -97,6 +100,9 @@ class Codec:
             k_enc = self.decode_side("k", self.keys, flat, d, layer, carry)  # [B, H, T, D]
             chunks = next(iter(substate(encoded, "k.").values())).shape[2]
             s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (chunks, -1))
+        noise = self.keys.score_noise(qg, substate(encoded, "k."), d, side_of(layer, "k"))
+        if noise is not None:  # each encoded score less half its noise variance (`Transform.token_noise`)
+            s_enc = s_enc - 0.5 * noise[0][..., None, None] * noise[1][:, :, None]
         nc, c = s_enc.shape[-2:]
         scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
         if softcap is not None:
@@ -116,6 +122,22 @@ class Codec:
         p_fp = p[..., nc * c :]  # [B, H, g, F]
         out = out + p_fp @ v_fp.float()
         return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
+
+    def history_noise(self, q: torch.Tensor, state: Mapping[str, torch.Tensor], head_dim: int, layer: LayerState
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What attention over rebuilt encoded tokens corrects their scores by (`Chain.score_noise`), for queries
+        `q: [B, Hq, Q, D]` (unscaled) and the flat encoded state: (`‖q'‖²` `[B, Hq, Q]`, each encoded token's noise
+        `[B, H, T]`), or None without a correction. Eager: a prompt's attention runs once per layer and call."""
+        if not self.keys.corrects_scores:
+            return None
+        b, hq, n, d = q.shape
+        h = state["k.out"].shape[1]
+        found = self.keys.score_noise(q.reshape(b, h, hq // h * n, d), substate(state, "k."), head_dim,
+                                      side_of(layer, "k"))
+        if found is None:
+            return None
+        norms, noise = found
+        return norms.reshape(b, hq, n), noise.expand(b, h, -1)
 
     def kernel_attend(self, kernel: str, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live):
         """`attend` as one call of the Triton kernel `kernel` ("kivi" or "grid", as `kernel()` chose) over the stored
@@ -140,11 +162,12 @@ class Codec:
                 codes[f"k.{kr}.zero"], codes["v.out"], codes[f"v.{vr}.scale"], codes[f"v.{vr}.zero"], k_fp, v_stored,
                 *common, keys.config.bits, values.config.bits,
             )
-        else:
+        else:  # with score_correction, each query head's half noise variance per squared multiplier
+            noise = 0.5 * keys.mse * q_enc.square().sum(-1).reshape(b, hq) if keys.corrects_scores else None
             out, lse, s_fp = triton_grid_decode.grid_decode(
                 keys.rotated_query(q_enc).reshape(b, hq, d).contiguous(), q_fp.reshape(b, hq, d), codes["k.out"],
                 codes[f"k.{kr}.scale"][..., 0], keys.grid_on(q.device), codes["v.out"], codes[f"v.{vr}.scale"][..., 0],
-                k_fp, v_stored, *common, keys.row_norm(h, d), values.config.bits, keys.code_bits,
+                k_fp, v_stored, *common, noise, keys.row_norm(h, d), values.config.bits, keys.code_bits,
             )
         out = self.values.map_sum(out.view(b, h, hq // h, d), out.new_ones(()), d, own_v)
         fp_attention = torch.exp(s_fp - lse[..., None]).mean((0, 1))  # [F]

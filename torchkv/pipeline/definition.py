@@ -273,6 +273,23 @@ class KVPipeline:
         params = self.layer_params(layer) if params is None else params
         return self.codec.decode_chunk(state, head_dim, params, prepared, inputs)
 
+    def history_noise(
+        self,
+        q: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        *,
+        head_dim: int,
+        prepared: Mapping[str, torch.Tensor] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+        layer: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the key chain corrects its scores for its codes' noise (`score_correction`): for queries `q`
+        `[B, Hq, Q, head_dim]` and the flat encoded state of `encode_chunk`, (`‖q'‖²` `[B, Hq, Q]`, each encoded
+        token's noise `[B, H, T]`, float32): attention over the rebuilt tokens subtracts `½·s²·‖q'‖²·noise_t` from
+        the score of query i and token t at softmax scale s. None: no correction."""
+        params = self.layer_params(layer) if params is None else params
+        return self.codec.history_noise(q, state, head_dim, LayerState(params, prepared or {}, {}))
+
     @property
     def selector(self) -> Transform | None:
         """The key transform that picks the encoded tokens each attention step reads (sparse attention)."""

@@ -189,6 +189,17 @@ class Transform:
         offset` for every x; None for a linear map."""
         return None
 
+    @property
+    def corrects_scores(self) -> bool:
+        """Attention corrects this reader's scores for its codes' noise (`token_noise`)."""
+        return False
+
+    def token_noise(self, state: Mapping[str, torch.Tensor], heads: int, dim: int) -> torch.Tensor | None:
+        """A reader whose scores attention corrects for its codes' noise: each stored row's score-error variance per
+        unit squared query norm (the query carried to the reader), `[B, H or 1, *token axes, 1]`, from its own state
+        (flat or viewed by chunk) for `heads` KV heads of `dim` features; None: scores are read as they are."""
+        return None
+
     def map_output(self, o: torch.Tensor, total: torch.Tensor, ctx: Context) -> torch.Tensor:
         """`Σ_t p_t y_t` `[B, H, g, F']` -> `Σ_t p_t decode(y_t)` `[B, H, g, F]`, with `total` `[B, H, g, 1]`
         the weights' sum Σ_t p_t (what an affine decode's offset is multiplied by)."""

@@ -12,6 +12,7 @@ from torchkv.ops import (
     STEPS,
     SUPPORTED_BITS,
     dequantize,
+    gaussian_mse,
     hadamard,
     hadamard_block,
     higgs_dequantize,
@@ -206,7 +207,8 @@ class HiggsConfig(TransformConfig):
     span: "head" (one scale per token and KV head) or "token" (one scale per token over all KV heads); scale_dtype:
     scale storage; query_metric: choose each code and scale under the second moment of the prompt's queries as a
     `project.balance` before it maps them (`higgs_quantize`'s `metric`); unbiased: each row's scale refitted after
-    its codes so that the row is not shrunk (`unbiased_scale`)."""
+    its codes so that the row is not shrunk (`unbiased_scale`); score_correction (keys): attention subtracts half
+    each encoded token's score-noise variance from its score (`HiggsQuantize.token_noise`)."""
 
     bits: int | float = 2
     dim: int = 2
@@ -214,6 +216,7 @@ class HiggsConfig(TransformConfig):
     scale_dtype: str = "float16"
     query_metric: bool = field(default=False, metadata={LATER_OPTION: True})
     unbiased: bool = field(default=False, metadata={LATER_OPTION: True})
+    score_correction: bool = field(default=False, metadata={LATER_OPTION: True})
 
     def __post_init__(self):
         if (self.bits, self.dim) not in HIGGS_SHAPES:
@@ -248,6 +251,8 @@ class HiggsQuantize(Transform):
         super().__init__(**config)
         cfg = self.config
         self.grid = load_grid(1 << self.code_bits, cfg.dim)  # [n, d] float32
+        #: with `score_correction`, the grid's mean squared error per coordinate on Gaussian rows (`gaussian_mse`)
+        self.mse = gaussian_mse(1 << self.code_bits, cfg.dim) if cfg.score_correction else None
         if cfg.query_metric:  # the metric is prepared once per sequence from the prompt's queries
             self.needs_prepare, self.requires = True, frozenset({"queries"})
             self.reads_upstream, self.prepares = frozenset({"balance"}), frozenset({"block_metric"})
@@ -329,6 +334,22 @@ class HiggsQuantize(Transform):
         """Grid indices `[B, H, NC, C, F/d]` and each row's multiplier `s·r` `[B, H or 1, NC, C, 1]`."""
         codes = unpack_bits(packed, self.code_bits, dim // self.config.dim)
         return codes, state["scale"].float() * self.row_norm(packed.shape[1], dim)
+
+    @property
+    def corrects_scores(self) -> bool:
+        return self.config.score_correction
+
+    def token_noise(self, state: Mapping[str, torch.Tensor], heads: int, dim: int) -> torch.Tensor | None:
+        """With `score_correction`: each stored row's score-noise variance per unit squared query norm,
+        `mse·(s·r)²` `[B, H or 1, *token axes, 1]` (float32), from its multiplier `s·r` (state flat or viewed by chunk).
+
+        A row's code error `e = x − x̂` has about `mse·(s·r)²` per coordinate in the rotated domain, independent of
+        its direction, so a query `q` scores it with an error of variance `σ² = mse·‖q‖²·(s·r)²`. Softmax weighs
+        `exp(q·x̂) = exp(q·x)·exp(q·e)`, and `E[exp(q·e)] = exp(σ²/2)`: noisy rows, large ones most, take more weight
+        than their exact scores give them. Attention subtracts `σ²/2` from each encoded token's score."""
+        if not self.corrects_scores:
+            return None
+        return state["scale"].float().square() * (self.mse * self.row_norm(heads, dim) ** 2)
 
     def scores(self, q: torch.Tensor, packed: torch.Tensor, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Decode attention scores read from packed grid codes (planar, or in words for 5-, 6- and 7-bit codes).
