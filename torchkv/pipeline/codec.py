@@ -128,15 +128,12 @@ class Codec:
         """What attention over rebuilt encoded tokens corrects their scores by (`Chain.score_noise`), for queries
         `q: [B, Hq, Q, D]` (unscaled) and the flat encoded state: (`‖q'‖²` `[B, Hq, Q]`, each encoded token's noise
         `[B, H, T]`), or None without a correction. Eager: a prompt's attention runs once per layer and call."""
-        if not self.keys.corrects_scores:
+        if not self.corrects_scores:
             return None
         b, hq, n, d = q.shape
         h = state["k.out"].shape[1]
-        found = self.keys.score_noise(q.reshape(b, h, hq // h * n, d), substate(state, "k."), head_dim,
-                                      side_of(layer, "k"))
-        if found is None:
-            return None
-        norms, noise = found
+        norms, noise = self.keys.score_noise(q.reshape(b, h, hq // h * n, d), substate(state, "k."), head_dim,
+                                             side_of(layer, "k"))
         return norms.reshape(b, hq, n), noise.expand(b, h, -1)
 
     def kernel_attend(self, kernel: str, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live):
@@ -244,6 +241,11 @@ class Codec:
             warnings.warn(f"pipeline '{name}': decode attention has no GPU kernel for its stored form ({refusal}); it "
                           "runs Inductor's reductions over the stored form, which are slower", stacklevel=3)
         self._kernel_warned = True
+
+    @property
+    def corrects_scores(self) -> bool:
+        """Attention corrects the key codes' scores for their noise (`Chain.corrects_scores`)."""
+        return self.keys.corrects_scores
 
     @property
     def attention_rope(self) -> str | None:

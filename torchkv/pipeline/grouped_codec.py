@@ -109,16 +109,21 @@ class GroupedCodec(Codec):
     def history_noise(self, q, state, head_dim: int, layer: LayerState):
         """`Codec.history_noise` of each group over its KV heads and the query heads that read them, merged (a group
         without a correction: no noise); None where no group corrects."""
+        if not self.corrects_scores:  # no group's heads of the queries copied
+            return None
         per = q.shape[1] // self.num_heads
         found = [c.history_noise(self._heads(q, i, per), self._own(state, i), head_dim, self._layer(layer, i))
                  for i, c in enumerate(self.groups)]
-        if all(f is None for f in found):
-            return None
         b, tokens = q.shape[0], state["k.g0.out"].shape[2]
         norms = [q.new_zeros(b, len(heads) * per, q.shape[2]) if f is None else f[0]
                  for heads, f in zip(self.heads, found)]
         noise = [q.new_zeros(b, len(heads), tokens) if f is None else f[1] for heads, f in zip(self.heads, found)]
         return self._merge(norms, per), self._merge(noise)
+
+    @property
+    def corrects_scores(self) -> bool:
+        """Some group's attention corrects its key codes' scores."""
+        return any(c.corrects_scores for c in self.groups)
 
     @property
     def attention_rope(self) -> str | None:
