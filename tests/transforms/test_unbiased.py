@@ -93,19 +93,18 @@ def test_unbias_values_script_sets_the_value_quantizers_up_to_a_width_and_the_co
     unbiases the 1-bit value quantizers only, no limit every one, keys never; a width below every value's is refused."""
     from pathlib import Path
 
-    from torchkv.pipeline import HeadGroups, KVPipeline
+    from torchkv.pipeline import KVPipeline
     from torchkv.testing import load_script
 
     root = Path(__file__).resolve().parents[2]
     script = load_script(root / "benchmarks/unbias_values.py")
     src = root / "benchmarks/results/domains/tuned/frontier-2bit@2.5_mixed_per_head"
 
-    def quantizers(pipe: KVPipeline, side: str) -> list:
-        sides = [getattr(pipe, side), *(chains[side == "values"] for chains in pipe.layer_chains.values())]
-        chains = [c for s in sides for c in (s.chains if isinstance(s, HeadGroups) else [s])]
-        return list({id(t): t for c in chains for t in c.transforms if t.kind == "quantize"}.values())  # shared once
+    def quantizers(pipe: KVPipeline, side: str) -> list:  # `chains()` lists a chain shared by layers once
+        return [t for prefix, chain in pipe.chains() if prefix.endswith(f"{side}.")
+                for t in chain.transforms if t.kind == "quantize"]
 
-    values = quantizers(KVPipeline.from_pretrained(src), "values")
+    values = quantizers(KVPipeline.from_pretrained(src), "v")
     assert 0 < sum(t.config.bits <= 1 for t in values) < len(values) and not any(t.config.unbiased for t in values)
     counts = {}  # quantizers set in the saved config, where layers with equal chains repeat them
     for max_bits in (1, None):
@@ -113,8 +112,8 @@ def test_unbias_values_script_sets_the_value_quantizers_up_to_a_width_and_the_co
         counts[max_bits] = script.unbias(src, out, max_bits)
         copy = KVPipeline.from_pretrained(out)
         assert all(t.config.unbiased == (max_bits is None or t.config.bits <= max_bits)
-                   for t in quantizers(copy, "values"))
-        assert not any(t.config.unbiased for t in quantizers(copy, "keys"))
+                   for t in quantizers(copy, "v"))
+        assert not any(t.config.unbiased for t in quantizers(copy, "k"))
         assert (out / "tune.json").read_bytes() == (src / "tune.json").read_bytes()
     assert 0 < counts[1] < counts[None]
     with pytest.raises(ValueError, match="no value quantizer to unbias of at most 0.5 bits"):
