@@ -75,16 +75,37 @@ def _timed(fn, reps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def layer_list(text: str) -> list[int]:
+    """The layers of "0,11", "0-29" or both ("0-3,11"), in order."""
+    layers = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        layers += range(int(first), int(last or first) + 1)
+    return layers
+
+
+def kernel_pipeline(preset: str, layer: int) -> torchkv.KVPipeline:
+    """The compiled pipeline of `layer` of a preset (128-token window) or of a saved pipeline's folder (a tuned one
+    has widths of its own per layer and KV head)."""
+    if Path(preset).is_dir():
+        pipe = torchkv.KVPipeline.from_pretrained(preset)
+        pipe.compile = True
+    else:
+        pipe = torchkv.KVPipeline.from_preset(preset, residual=128, compile=True)
+    return pipe.for_layer(layer)
+
+
 def kernel_row(preset: str, context: int, batch: int, device: torch.device, heads=3, groups=3, dim=64,
-               dtype=torch.float32) -> dict:
-    """One layer's decode attention: torchkv over packed codes (on CUDA the Triton kernel, where the preset has one)
+               dtype=torch.float32, layer: int = 0) -> dict:
+    """Decode attention of `layer`: torchkv over packed codes (on CUDA the Triton kernel, where the preset has one)
     vs DynamicCache's concat + SDPA over the full-precision cache in `dtype`."""
-    pipe = torchkv.KVPipeline.from_preset(preset, residual=128, compile=True)
+    pipe = kernel_pipeline(preset, layer)
     gen = torch.Generator().manual_seed(0)
-    n_enc = (context - 128) // pipe.chunk * pipe.chunk
+    window = pipe.residual
+    n_enc = (context - window) // pipe.chunk * pipe.chunk
     if n_enc <= 0:
-        raise ValueError(f"a kernel row of {preset} needs a context of at least {128 + pipe.chunk} tokens (the "
-                         f"128-token window and one {pipe.chunk}-token chunk), not {context}")
+        raise ValueError(f"a kernel row of {preset} needs a context of at least {window + pipe.chunk} tokens (the "
+                         f"{window}-token window and one {pipe.chunk}-token chunk), not {context}")
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype)
@@ -121,7 +142,7 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
     sdpa_s = _timed(dynamic_step, 20, device)
     compressed = sum(t.numel() * t.element_size() for t in state.values())
     return {
-        "preset": preset, "context": context, "batch": batch, "torchkv_ms": 1e3 * fused_s,
+        "preset": preset, "layer": layer, "context": context, "batch": batch, "torchkv_ms": 1e3 * fused_s,
         "dynamic_ms": 1e3 * sdpa_s, "speedup": sdpa_s / fused_s, "compressed_bytes": compressed,
         "fp32_bytes": 2 * full_k.numel() * 4, "full_precision_bytes": 2 * full_k.numel() * full_k.element_size(),
         "achieved_bytes_per_s": compressed / fused_s, "dtype": str(dtype).removeprefix("torch."),
@@ -159,7 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="times each row of a cell is measured, the rows taken in turn (forward, then backward); "
                              "medians are reported, ratios paired by round")
-    parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit")
+    parser.add_argument("--kernel-presets", default="kivi-2bit,kivi-4bit",
+                        help="presets or saved pipelines' folders whose decode attention of one layer is timed")
+    parser.add_argument("--kernel-layers", default="0", type=layer_list,
+                        help="the layers timed for each kernel preset, e.g. 0,11 or 0-29 (a tuned folder's widths "
+                             "differ by layer)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="benchmarks/results/decode/decode_cpu.json")
     parser.add_argument("--append", action="store_true", help="add this run's rows to the JSON at --out")
@@ -193,12 +218,13 @@ def main(argv: list[str] | None = None) -> None:
             "rows": [],
             "kernel": [],
         }
-    for preset in filter(None, args.kernel_presets.split(",")):
-        for context, batch in cells:
-            row = kernel_row(preset, context, batch, device)
-            row["fraction_of_copy_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
-            results["kernel"].append(row)
-            print(json.dumps(row), flush=True)
+    kernel_cells = [(preset, cell, layer) for preset in filter(None, args.kernel_presets.split(","))
+                    for cell in cells for layer in args.kernel_layers]
+    for preset, (context, batch), layer in kernel_cells:
+        row = kernel_row(preset, context, batch, device, layer=layer)
+        row["fraction_of_copy_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
+        results["kernel"].append(row)
+        print(json.dumps(row), flush=True)
     for dtype in args.dtypes.split(","):
         model, tokenizer = torchkv.load_model(args.model, dtype=getattr(torch, dtype))
         model.to(device)

@@ -217,6 +217,39 @@ def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path, script):
     assert (tmp_path / "decode.png").stat().st_size > 10_000
 
 
+def test_decode_benchmark_times_the_layers_of_a_tuned_folder_with_their_own_widths():
+    """`--kernel-presets FOLDER --kernel-layers 0-3,11`: each layer's compiled pipeline, with the widths the folder
+    gave that layer's KV heads (the committed per-head folder: 2-bit keys and 2- and 4-bit values in layer 0, 1-bit
+    values in layer 11)."""
+    decode = load_script(ROOT / "benchmarks/decode.py")
+    assert decode.layer_list("0-3,11") == [0, 1, 2, 3, 11] and decode.layer_list("7") == [7]
+    folder = str(ROOT / "benchmarks/results/domains/tuned/frontier-2bit@2.5_mixed_per_head")
+
+    def value_bits(layer: int) -> set[int]:
+        pipe = decode.kernel_pipeline(folder, layer)
+        assert pipe.compile is True
+        return {t.config.bits for t in pipe.values.transforms if t.kind == "quantize"}
+
+    assert value_bits(0) != value_bits(11) == {1}
+    preset = decode.kernel_pipeline("frontier-2.5bit", 0)
+    assert preset.residual == 128 and preset.compile is True
+
+
+def test_report_of_kernel_rows_alone_is_their_table_without_a_plot(tmp_path, capsys):
+    """A decode benchmark run of kernel rows only (`--baselines '' --presets '' --compiled-presets ''`): `torchkv
+    report` writes their table, with each row's layer (0 for runs from before layers were timed), and no plot."""
+    folder = ROOT / "benchmarks/results/domains/ablations"
+    for name, layers in (("attention_by_layer_per_head_2.5_intel.json", "| 8192 | 1 | 29 |"),
+                         ("decode_attention_by_width_amd.json", "| frontier-2.5bit | 4096 | 1 | 0 |")):
+        results = tmp_path / name
+        results.write_text((folder / name).read_text())
+        main(["report", str(results)])
+        table = results.with_suffix(".md").read_text()
+        assert layers in table and "Decode tokens/s" not in table
+        assert not list(tmp_path.glob("*.png"))
+    capsys.readouterr()
+
+
 @pytest.mark.model
 def test_cold_start_benchmark_times_fresh_processes_and_counts_their_graphs(tmp_path):
     out = tmp_path / "cold.json"

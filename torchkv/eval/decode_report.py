@@ -51,6 +51,8 @@ def markdown_table(results: dict) -> str:
     device = machine.get("gpu") if meta.get("device", "cpu").startswith("cuda") else f"{machine['cpu']} ({machine['cpu_count']} cores)"
     peak_kind = "CUDA allocator peak" if meta.get("device", "cpu").startswith("cuda") else "RSS growth over the run's start"
     out = [f"Decode benchmark, {meta['model']}, torch {meta['torch']}, {device}; {meta['new_tokens']} timed decode tokens.", ""]
+    if not names:  # a run of kernel rows alone (`--baselines '' --presets '' --compiled-presets ''`)
+        return "\n".join(out + _kernel_table(results))
     out += ["Decode tokens/s (ratio to DynamicCache of the same cell):", ""]
     out += _table(["row"] + labels, [line(n, decode) for n in names])
     static = STATIC_BASELINE
@@ -67,18 +69,26 @@ def markdown_table(results: dict) -> str:
     out += _table(["row"] + labels, [line(n, prefill) for n in names])
     out += ["", f"Cache MiB / peak MiB ({peak_kind}) of the timed generation:", ""]
     out += _table(["row"] + labels, [line(n, memory) for n in names])
+    return "\n".join(out + _kernel_table(results))
+
+
+def _kernel_table(results: dict) -> list[str]:
+    """The kernel rows' table (none: no lines)."""
+    out = []
     if results.get("kernel"):
-        bandwidths = [run["copy_bandwidth_bytes_per_s"] for run in meta["runs"]]
+        bandwidths = [run["copy_bandwidth_bytes_per_s"] for run in results["meta"]["runs"]]
         out += ["", "One layer's decode attention (3 KV heads x 3 query heads, head_dim 64): torchkv over packed codes vs "
                 f"DynamicCache concat + SDPA over fp32; measured copy bandwidth {min(bandwidths) / 1e9:.1f}–"
                 f"{max(bandwidths) / 1e9:.1f} GB/s.", ""]
         out += _table(
-            ["preset", "context", "batch", "torchkv ms", "SDPA ms", "speedup", "compressed MiB", "GB/s", "of copy bw"],
-            [[k["preset"], str(k["context"]), str(k["batch"]), f"{k['torchkv_ms']:.3f}", f"{k['dynamic_ms']:.3f}",
+            ["preset", "context", "batch", "layer", "torchkv ms", "SDPA ms", "speedup", "compressed MiB", "GB/s",
+             "of copy bw"],
+            [[k["preset"], str(k["context"]), str(k["batch"]), str(k.get("layer", 0)), f"{k['torchkv_ms']:.3f}",
+              f"{k['dynamic_ms']:.3f}",
               f"{k['speedup']:.2f}x", f"{k['compressed_bytes'] / 2**20:.2f}", f"{k['achieved_bytes_per_s'] / 1e9:.2f}",
               f"{100 * k['fraction_of_copy_bandwidth']:.2f}%"] for k in results["kernel"]],
         )
-    return "\n".join(out)
+    return out
 
 
 def plots(results: dict, out_dir: str | Path, stem: str = "decode") -> list[Path]:
@@ -89,6 +99,8 @@ def plots(results: dict, out_dir: str | Path, stem: str = "decode") -> list[Path
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((d, b) for d, b, _ in _cells(results)))
+    if not panels:  # kernel rows alone: nothing to plot against context
+        return []
     names = list(dict.fromkeys(r["name"] for r in results["rows"]))
     colors = plt.get_cmap("tab20")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
