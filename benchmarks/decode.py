@@ -13,6 +13,8 @@ measured copy bandwidth.
     python benchmarks/decode.py --cells 4096x1,8192x8 --dtypes float32 --out ...  # only these cells
     python benchmarks/decode.py --cells 4096x1 --baselines dynamic --presets X --append --out ...  # a fresh process per row
     python benchmarks/decode.py --batch-invariant ...  # each row also with batch-invariant linear layers
+    python benchmarks/decode.py --cells 8192x1 --dtypes float32 --baselines '' --presets '' --compiled-presets ''
+        --kernel-presets frontier-2bit,TUNED_FOLDER --kernel-layers 0-29 --out ...  # each layer's attention alone
     python benchmarks/decode.py --device cuda --dtypes bfloat16 --out benchmarks/results/decode/decode_h100_bf16.json
     torchkv report benchmarks/results/decode/decode_cpu.json
 
