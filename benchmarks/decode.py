@@ -86,11 +86,16 @@ def layer_list(text: str) -> list[int]:
     return layers
 
 
-def kernel_pipeline(preset: str, layer: int) -> torchkv.KVPipeline:
+def kernel_pipeline(preset: str, layer: int, heads: int = 3, dim: int = 64) -> torchkv.KVPipeline:
     """The compiled pipeline of `layer` of a preset (128-token window) or of a saved pipeline's folder (a tuned one
-    has widths of its own per layer and KV head)."""
+    has widths of its own per layer and KV head), for a layer of `heads` KV heads of `dim`."""
     if Path(preset).is_dir():
         pipe = torchkv.KVPipeline.from_pretrained(preset)
+        made_for = pipe.tuned_for or pipe.fitted_for or {}
+        shape = made_for.get("kv_heads", heads), made_for.get("head_dim", dim)
+        if shape != (heads, dim):
+            raise ValueError(f"{preset} was made for layers with kv_heads={shape[0]}, head_dim={shape[1]}; kernel "
+                             f"rows time SmolLM2's kv_heads={heads}, head_dim={dim}: give them a pipeline made for it")
         pipe.compile = True
     else:
         pipe = torchkv.KVPipeline.from_preset(preset, residual=128, compile=True)
@@ -101,7 +106,7 @@ def kernel_row(preset: str, context: int, batch: int, device: torch.device, head
                dtype=torch.float32, layer: int = 0) -> dict:
     """Decode attention of `layer`: torchkv over packed codes (on CUDA the Triton kernel, where the preset has one)
     vs DynamicCache's concat + SDPA over the full-precision cache in `dtype`."""
-    pipe = kernel_pipeline(preset, layer)
+    pipe = kernel_pipeline(preset, layer, heads, dim)
     gen = torch.Generator().manual_seed(0)
     window = pipe.residual
     n_enc = (context - window) // pipe.chunk * pipe.chunk

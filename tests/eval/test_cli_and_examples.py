@@ -220,7 +220,7 @@ def test_decode_benchmark_writes_every_cell_and_reports_it(tmp_path, script):
 def test_decode_benchmark_times_the_layers_of_a_tuned_folder_with_their_own_widths():
     """`--kernel-presets FOLDER --kernel-layers 0-3,11`: each layer's compiled pipeline, with the widths the folder
     gave that layer's KV heads (the committed per-head folder: 2-bit keys and 2- and 4-bit values in layer 0, 1-bit
-    values in layer 11)."""
+    values in layer 11). A folder made for another layer shape (Gemma 3's) is refused, not timed at SmolLM2's."""
     decode = load_script(ROOT / "benchmarks/decode.py")
     assert decode.layer_list("0-3,11") == [0, 1, 2, 3, 11] and decode.layer_list("7") == [7]
     folder = str(ROOT / "benchmarks/results/domains/tuned/frontier-2bit@2.5_mixed_per_head")
@@ -233,6 +233,9 @@ def test_decode_benchmark_times_the_layers_of_a_tuned_folder_with_their_own_widt
     assert value_bits(0) != value_bits(11) == {1}
     preset = decode.kernel_pipeline("frontier-2.5bit", 0)
     assert preset.residual == 128 and preset.compile is True
+    gemma3 = str(ROOT / "benchmarks/results/gemma3/tuned/frontier-2bit@2.5_mixed_either_centre_full_layers")
+    with pytest.raises(ValueError, match="made for layers with kv_heads=1, head_dim=256; kernel rows time SmolLM2's kv_heads=3"):
+        decode.kernel_pipeline(gemma3, 0)
 
 
 def test_report_of_kernel_rows_alone_is_their_table_without_a_plot(tmp_path, capsys):
