@@ -94,8 +94,8 @@ def kernel_pipeline(preset: str, layer: int, heads: int = 3, dim: int = 64) -> t
         made_for = pipe.tuned_for or pipe.fitted_for or {}
         shape = made_for.get("kv_heads", heads), made_for.get("head_dim", dim)
         if shape != (heads, dim):
-            raise ValueError(f"{preset} was made for layers with kv_heads={shape[0]}, head_dim={shape[1]}; kernel "
-                             f"rows time SmolLM2's kv_heads={heads}, head_dim={dim}: give them a pipeline made for it")
+            raise ValueError(f"{preset} was made for layers with kv_heads={shape[0]}, head_dim={shape[1]}; this "
+                             f"kernel row times kv_heads={heads}, head_dim={dim}: give it a pipeline made for that")
         pipe.compile = True
     else:
         pipe = torchkv.KVPipeline.from_preset(preset, residual=128, compile=True)

@@ -234,7 +234,7 @@ def test_decode_benchmark_times_the_layers_of_a_tuned_folder_with_their_own_widt
     preset = decode.kernel_pipeline("frontier-2.5bit", 0)
     assert preset.residual == 128 and preset.compile is True
     gemma3 = str(ROOT / "benchmarks/results/gemma3/tuned/frontier-2bit@2.5_mixed_either_centre_full_layers")
-    refused = "made for layers with kv_heads=1, head_dim=256; kernel rows time SmolLM2's kv_heads=3"
+    refused = "made for layers with kv_heads=1, head_dim=256; this kernel row times kv_heads=3, head_dim=64"
     with pytest.raises(ValueError, match=refused):
         decode.kernel_pipeline(gemma3, 0)
 
