@@ -8,7 +8,9 @@ is downloaded, so it runs on the GPU machine).
 A row is what `torchkv.eval.rows.method` builds: a preset (per-layer path) or `compiled:PRESET` (the whole step
 compiled over a fixed-capacity cache, CUDA graphs on a GPU). The prompt is fed in chunks of at most 4096 tokens; the
 graphs compile in untimed steps (a whole window's worth more for torchkv rows, so that a flush has run). Writes the
-operators with the largest self time (CPU, and CUDA on a GPU) per decode step.
+operators with the largest self time (CPU, and CUDA on a GPU) per decode step; on the CPU each Inductor kernel is
+an operator of its own (`graph_N_cpp_fused_...`), and "## Call CompiledFxGraph ..." is the time of the Python code
+that calls them.
 """
 
 import argparse
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
     row = method(args.preset)
     warm = gpu_decode.untimed_steps(row, WARMUP)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with _compiled_at_first_call(row.pipeline), row.active(model):
+    # on the CPU each Inductor kernel a profiler event of its own, not a part of its graph's wrapper call
+    kernel_events = torch._inductor.config.patch({"cpp.enable_kernel_profile": device.type == "cpu"})
+    with _compiled_at_first_call(row.pipeline), row.active(model), kernel_events:
         cache = row.new_cache(model, max_cache_len=args.context + warm + args.steps)
         forward = row.decode_forward(model)
         logits = gpu_decode.prefill(model, cache, ids, min(args.context, gpu_decode.PREFILL_CHUNK))

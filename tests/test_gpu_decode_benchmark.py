@@ -89,11 +89,14 @@ def test_profile_decode_profiles_a_random_weights_shape_without_smollm2(tmp_path
     profile_decode = load_script(Path(__file__).parents[1] / "benchmarks" / "profile_decode.py")
     out = tmp_path / "profile.json"
     result = profile_decode.main(["--shape", "tiny", "--preset", "kivi-2bit", "--context", "300", "--batch", "2",
-                                  "--steps", "2", "--top", "5", "--out", str(out)])
+                                  "--steps", "2", "--top", "40", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     assert (result["model"], result["batch"], result["device"]) == ("tiny", 2, "cpu")
-    assert len(result["top"]) == 5 and result["self_cpu_ms_per_step"] > 0 and result["self_device_ms_per_step"] is None
+    assert len(result["top"]) == 40 and result["self_cpu_ms_per_step"] > 0 and result["self_device_ms_per_step"] is None
     assert all(op["calls_per_step"] > 0 and op["ms_per_step"] > 0 for op in result["top"])
+    # each Inductor kernel an event of its own on the CPU, and the setting left as it was
+    assert any("cpp_fused" in op["op"] for op in result["top"])
+    assert not torch._inductor.config.cpp.enable_kernel_profile
 
 
 def test_a_tuned_folder_is_placed_on_a_shape_by_relative_depth_and_head_index_and_decodes():
