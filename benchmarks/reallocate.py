@@ -13,7 +13,8 @@ allocated per head again, from the per-head costs its `tune.json` keeps:
 (same model, domain, tokens and window length), so that each layer, side and head takes the best of the presets'
 settings at its width, e.g. keys with and without `rotary_center`, values in uniform or HIGGS codes. The costs are
 measured per layer against the same full-precision gradients, so the merged allocation is the one a joint
-measurement would make; the candidates two folders share (equal chains) must have equal costs, which checks it.
+measurement would make (`torchkv tune --also` measures so in one run); the candidates two folders share (equal
+chains) must have equal costs, which checks it. A folder tuned with `--also` offers its presets' candidates too.
 
 `--widths-of` keeps each layer's and side's width as a per-layer folder chose it and allocates among the candidates of
 that width only (the presets' stored forms, and groups where a preset has them): which stored form pays at unchanged
@@ -31,7 +32,8 @@ import torch
 import torchkv
 from torchkv._compat import config_head_dim
 from torchkv.eval.rows import method
-from torchkv.fitting.tuning import Sensitivity, bits_range, candidates, check_budget, stored_bits, tuned_for_model
+from torchkv.fitting.tuning import Sensitivity, bits_range, check_budget, stored_bits, tuned_for_model
+from torchkv.fitting.tuning.candidates import layer_candidates
 from torchkv.models.arch import full_layers
 from torchkv.pipeline import Chain
 from torchkv.pipeline.chain import chain_spec
@@ -70,14 +72,20 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
                              + ", ".join(f"{key} {theirs[key]!r} against {ours[key]!r}" for key in ours)
                              + "): tune both on the same model, domain, --tokens and --seq-len")
         sources.append((other, f"{other['preset']}/", folder))
-    pipes = [method(source["preset"]).pipeline.for_model(model) for source, _, _ in sources]
     config = model.config.get_text_config(decoder=True)
+    layers = len(report["sensitivity"])
+    pipes, besides, offered = [], [], []  # each folder's preset, the presets tuned beside it, and their candidates
+    for source, _, _ in sources:
+        pipe, *beside = (method(name).pipeline.for_model(model)
+                         for name in (source["preset"], *source.get("also_presets", [])))
+        pipes.append(pipe)
+        besides.append(tuple(beside))
+        offered.append(layer_candidates(pipe, layers, config.num_key_value_heads, config_head_dim(config), beside))
     kept, costs, head_costs = [], [], []
-    for layer in range(len(report["sensitivity"])):
+    for layer in range(layers):
         sides, layer_costs, layer_head_costs = {"k": [], "v": []}, {"k": [], "v": []}, {"k": [], "v": []}
         seen: dict[tuple[str, str], tuple[Path, float]] = {}  # each candidate chain's first folder and cost
-        for (source, prefix, folder), pipe in zip(sources, pipes):
-            options = candidates(pipe.for_layer(layer), config.num_key_value_heads, config_head_dim(config))
+        for (source, prefix, folder), options in zip(sources, (table[layer] for table in offered)):
             measured = source["sensitivity"][layer]
             for side in ("k", "v"):
                 weight = key_weight if side == "k" else 1.0
@@ -105,7 +113,7 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
         kept, costs = of_widths(kept, costs, chosen, widths_of)
     check_budget(budget, *bits_range(kept, full_layers(model)))
     sensitivity = Sensitivity(pipes[0], kept, costs, report["tokens"], report["seq_len"], report["measure_seconds"],
-                              head_costs)
+                              head_costs, besides[0])
     tuned, out = tuned_for_model(sensitivity, model, budget, per_head)
     tuned.tuned_on = report["domain"]
     for layer in out["layers"]:  # the report keeps the measured costs

@@ -12,34 +12,23 @@ the 2-bit ones by about an eighth).
 """
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
+from torchkv.fitting.tuning.unbiased import unbiased_values
 from torchkv.pipeline import KVPipeline
 
 
 def unbias(src: Path, out: Path, max_bits: float | None = None) -> int:
     """Copy the folder `src` to `out` with its value quantizers of at most `max_bits` bits (all where None) set
-    `unbiased`; the number of quantizers set. The copy's `options` record `unbiased_values`."""
-    config = json.loads((src / "torchkv_config.json").read_text())
-    sides = [config["values"], *(layer["values"] for layer in config["layers"].values() if "values" in layer)]
-    chains = [c for side in sides for c in (side["chains"] if isinstance(side, dict) else [side])]  # head groups
-    quantizers = [t for chain in chains for t in chain if t["kind"] == "quantize"
-                  and (max_bits is None or t["config"]["bits"] <= max_bits)]
-    if not quantizers:
-        raise ValueError(f"{src}: no value quantizer to unbias"
-                         + ("" if max_bits is None else f" of at most {max_bits:g} bits"))
-    for t in quantizers:
-        t["config"]["unbiased"] = True
-    config["options"]["unbiased_values"] = True if max_bits is None else f"up to {max_bits:g} bits"
+    `unbiased` (`torchkv.fitting.tuning.unbiased_values`); the number of quantizers set."""
+    pipe, count = unbiased_values(KVPipeline.from_pretrained(src), max_bits)
     out.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():  # tune.json, fitted parameters
-        if path.is_file() and path.name != "torchkv_config.json":
+    for path in src.iterdir():  # tune.json
+        if path.is_file() and path.name not in ("torchkv_config.json", "torchkv_params.safetensors"):
             shutil.copy(path, out / path.name)
-    (out / "torchkv_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    KVPipeline.from_pretrained(out)  # the copy loads (every option valid)
-    return len(quantizers)
+    pipe.save_pretrained(out)
+    return count
 
 
 def main() -> None:

@@ -181,16 +181,20 @@ def _tune(args) -> None:
     import torchkv
     from torchkv.corpora import split_articles
     from torchkv.eval.rows import method
-    from torchkv.fitting.tuning import stored_bits, tune
+    from torchkv.fitting.tuning import stored_bits, tune, unbiased_values
 
-    pipe = method(args.preset).pipeline  # a preset, with overrides after colons, or a calibrated folder
-    if pipe is None:
-        raise ValueError(f"{args.preset!r} is a baseline; tune a torchkv preset or a saved pipeline folder")
+    pipe, *also = (method(name).pipeline for name in (args.preset, *args.also))  # presets with overrides, or folders
+    for name, row in zip((args.preset, *args.also), (pipe, *also)):
+        if row is None:
+            raise ValueError(f"{name!r} is a baseline; tune a torchkv preset or a saved pipeline folder")
     texts = [text for _, text in split_articles("calibration", args.domain)]  # an unknown domain lists the others
     model, tokenizer = torchkv.load_model(args.model)
     tuned, report = tune(pipe, model, texts, budget=args.budget, tokenizer=tokenizer, seq_len=args.seq_len,
                          max_tokens=args.tokens, batch=args.batch, progress=not args.no_progress, domain=args.domain,
-                         per_head=args.per_head)
+                         per_head=args.per_head, also=also)
+    if args.unbiased_values:
+        tuned = unbiased_values(tuned)[0]
+    report["unbiased_values"] = args.unbiased_values
     out = Path(args.out)
     tuned.save_pretrained(out)
     (out / "tune.json").write_text(json.dumps({"model": args.model, **report}, indent=2))
@@ -314,6 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     tn.add_argument("--budget", type=float, required=True, help="stored bits per value, mean over layers, K and V")
     tn.add_argument("--out", required=True, help="folder to save the tuned pipeline in")
     tn.add_argument("--per-head", action="store_true", help="choose each KV head's widths, not each layer's")
+    tn.add_argument("--also", action="append", default=[], metavar="PRESET",
+                    help="another preset with the same exact tokens whose settings each layer (or head) may take "
+                    "too, measured in the same passes, e.g. frontier-2bit:rotary_center=True (repeatable)")
+    tn.add_argument("--unbiased-values", action="store_true", help="save the tuned pipeline with its value scales "
+                    "refitted after their codes, so that no value row is shrunk (measure it beside the plain one)")
     _calibration_arguments(tn, batch=1, batch_help="sequences per forward and backward pass",
                            seq_len=2048)  # torchkv.fitting.tuning.SEQ_LEN, not imported: the parser stays light
     tn.set_defaults(run=_tune)

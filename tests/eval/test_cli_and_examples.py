@@ -155,12 +155,28 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
         main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "512"])
     assert "max_tokens=512 is less than one window of seq_len=2048 tokens" in capsys.readouterr().err
     main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(out), "--tokens", "512",
-          "--seq-len", "512", "--domain", "docs", "--per-head", "--no-progress"])
+          "--seq-len", "512", "--domain", "docs", "--per-head", "--no-progress",
+          "--also", "frontier-2bit:rotary_center=True", "--unbiased-values"])  # the recipe in one command
     assert f"wrote {out}" in capsys.readouterr().out
     report = json.loads((out / "tune.json").read_text())
     assert report["bits_per_value"] <= 2.125 and len(report["layers"]) == 30 and report["tokens"] == 512
     assert report["domain"] == "docs" and report["per_head"] and len(report["head_sensitivity"]) == 30
-    assert method(str(out)).pipeline.tuned_for["layers"] == 30 and method(str(out)).pipeline.tuned_on == "docs"
+    assert report["also_presets"] == ["frontier-2bit:rotary_center=True"] and report["unbiased_values"]
+    assert any(label.startswith("frontier-2bit:rotary_center=True/") for label in report["sensitivity"][0]["k"])
+    saved = method(str(out)).pipeline
+    assert saved.tuned_for["layers"] == 30 and saved.tuned_on == "docs" and saved.options["unbiased_values"]
+    assert all(t.config.unbiased for prefix, chain in saved.chains() if prefix.endswith("v.")
+               for t in chain.transforms if t.kind == "quantize")
+    reallocate = load_script(Path(__file__).resolve().parents[2] / "benchmarks/reallocate.py").reallocate
+    again = reallocate(out, 2.125, {"k": 1, "v": 1})[1]  # the candidates of both presets, from the report's costs
+    widths = [[(layer["keys"], layer["values"]) for layer in r["layers"]] for r in (again, report)]
+    assert widths[0] == widths[1] and again["also_presets"] == report["also_presets"]
+    for also, error in (("dynamic", "'dynamic' is a baseline"),
+                        ("frontier-2bit:residual=64", "keeps other exact tokens than 'frontier-2bit'")):
+        with pytest.raises(SystemExit):
+            main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(tmp_path / "x"),
+                  "--also", also])
+        assert error in capsys.readouterr().err
     results = tmp_path / "eval.json"
     main(["eval", "--presets", "tuned:kivi-2bit@2.75", "--tune-tokens", "512", "--ppl-docs", "128:1",
           "--retrieval-contexts", "none", "--speed-contexts", "none", "--domains", "wiki,code", "--tune-domain", "code",

@@ -118,3 +118,28 @@ def test_unbias_values_script_sets_the_value_quantizers_up_to_a_width_and_the_co
     assert 0 < counts[1] < counts[None]
     with pytest.raises(ValueError, match="no value quantizer to unbias of at most 0.5 bits"):
         script.unbias(src, tmp_path / "none", 0.5)
+
+
+def test_unbiased_values_copy_a_pipeline_with_its_marks_and_refuse_values_that_cannot_refit():
+    """`torchkv.fitting.tuning.unbiased_values` (what `torchkv tune --unbiased-values` saves): a per-layer pipeline's
+    value quantizers all set, keys untouched, the source unchanged, its tuning marks kept; KIVI's asymmetric
+    per-token values cannot refit their scale and are refused with why."""
+    from torchkv.fitting.tuning import unbiased_values
+    from torchkv.pipeline import KVPipeline
+
+    main = KVPipeline.from_preset("frontier-2bit")
+    wide = KVPipeline.from_preset("frontier-2bit", bits=4)
+    pipe = KVPipeline(main.keys.transforms, main.values.transforms, layers={1: (wide.keys.transforms,
+                                                                                wide.values.transforms)})
+    pipe.name, pipe.tuned_for, pipe.tuned_on = "tuned:frontier-2bit@2.5", {"layers": 2}, "code"
+    copy, count = unbiased_values(pipe)
+    assert count == 2 and copy.options["unbiased_values"] is True
+    assert (copy.name, copy.tuned_for, copy.tuned_on) == (pipe.name, pipe.tuned_for, pipe.tuned_on)
+    for layer in (0, 1):
+        values = [t for t in copy.for_layer(layer).values.transforms if t.kind == "quantize"]
+        keys = [t for t in copy.for_layer(layer).keys.transforms if t.kind == "quantize"]
+        assert all(t.config.unbiased for t in values) and not any(t.config.unbiased for t in keys)
+    assert not any(t.config.unbiased for t in pipe.values.transforms if t.kind == "quantize")
+    assert unbiased_values(pipe, max_bits=2)[1] == 1
+    with pytest.raises(ValueError, match="'kivi-2bit': its values cannot be read unbiased .*symmetric=True"):
+        unbiased_values(KVPipeline.from_preset("kivi-2bit"))

@@ -15,6 +15,7 @@ import torchkv.transforms as T
 from torchkv.models import cache_argument
 from torchkv.models.arch import full_layers
 from torchkv.pipeline import HeadGroups, KVPipeline
+from torchkv.pipeline.chain import chain_spec
 from torchkv.testing import tiny_model
 from torchkv.fitting.tuning import (CANDIDATE_BITS, candidates, measure, sensitivity, stored_bits, tune,
                                     tuned_for_model, tuned_pipeline)
@@ -196,6 +197,59 @@ def test_per_head_costs_split_the_layer_cost_and_per_head_tuning_meets_the_budge
     assert out.shape == (1, 65)
     with pytest.raises(ValueError, match="per-head widths need the sensitivity split by KV head"):
         tuned_pipeline(dataclasses.replace(measured, head_costs=[]), 2.5, per_head=True)
+
+
+JOINT_PARTNERS = [{"rotary_center": True}, {"values": "higgs"}, {"span": "token"}, {"unbiased_values": True}]
+
+
+@settings(max_examples=4, deadline=None)
+@given(partner=st.sampled_from(JOINT_PARTNERS), kv_heads=st.sampled_from([1, 2]))
+def test_presets_measured_together_cost_what_each_costs_alone_and_tune_over_the_union(partner, kv_heads):
+    """`measure(pipe, ..., also=[other])`: every candidate of either preset costs what measuring its preset alone on
+    the same windows gives (one forward and backward pass serve both); a chain both offer is measured once, under the
+    first's label; the other's labels carry its spelling; each side stays cheapest first; the choice over the union
+    predicts no more KL than either preset's alone, and the report names the other preset."""
+    from torchkv.pipeline.presets import spelling
+
+    model = tiny_model("llama", layers=2, kv_heads=kv_heads)
+    pipe = KVPipeline.from_preset("frontier-2bit", residual=16).for_model(model)
+    other = KVPipeline.from_preset("frontier-2bit", residual=16, **partner).for_model(model)
+    alone = [measure(p, model, IDS[:2], progress=False) for p in (pipe, other)]
+    joint = measure(pipe, model, IDS[:2], progress=False, also=[other])
+    prefix = spelling(other) + "/"
+    for layer in range(2):
+        for side in ("k", "v"):
+            ours = dict(zip((c.label for c in joint.candidates[layer][side]), joint.costs[layer][side]))
+            first = dict(zip((c.label for c in alone[0].candidates[layer][side]), alone[0].costs[layer][side]))
+            second = {prefix + c.label: cost for c, cost in zip(alone[1].candidates[layer][side],
+                                                                 alone[1].costs[layer][side])}
+            assert first.items() <= ours.items() and set(ours) <= set(first) | set(second)
+            for label, cost in ours.items():
+                assert cost == pytest.approx(first.get(label, second.get(label)), rel=1e-5, abs=1e-12)
+            specs = [chain_spec(torchkv.pipeline.Chain(list(c.transforms))) for c in joint.candidates[layer][side]]
+            assert len(set(specs)) == len(specs)  # each chain once
+            bits = [c.bits for c in joint.candidates[layer][side]]
+            assert bits == sorted(bits)
+            heads = dict(zip(ours, joint.head_costs[layer][side]))
+            for label, per_head in zip(first, alone[0].head_costs[layer][side]):
+                torch.testing.assert_close(heads[label], per_head, rtol=1e-5, atol=1e-12)
+    tuned, report = tuned_for_model(joint, model, 2.5)
+    assert report["also_presets"] == [spelling(other)] and report["preset"] == spelling(pipe)
+    assert report["predicted_kl"] <= min(tuned_for_model(m, model, 2.5)[1]["predicted_kl"] for m in alone) * (1 + 1e-9)
+    assert tuned.bits_per_value(kv_heads, 32, layers=2).mean <= 2.5 + 1e-9
+
+
+def test_presets_tuned_together_must_keep_the_same_exact_tokens_and_not_predict_across_layers():
+    model = tiny_model("llama", layers=2)
+    pipe = KVPipeline.from_preset("frontier-2bit", residual=16)
+    with pytest.raises(ValueError, match=r"'frontier-2bit:residual=32' keeps other exact tokens than "
+                                         r"'frontier-2bit:residual=16' \(residual, sinks, chunk and window"):
+        tune(pipe, model, IDS, budget=2.5, progress=False, also=[KVPipeline.from_preset("frontier-2bit", residual=32)])
+    carrying = KVPipeline.from_preset("frontier-2bit", residual=16, rotary_center=True)
+    carrying.carries = True
+    with pytest.raises(ValueError, match="predicts across layers, so its costs depend on its own chains: tune it "
+                                         "alone"):
+        measure(pipe, model, IDS, progress=False, also=[carrying])
 
 
 def test_bad_budgets_and_uncalibrated_methods_are_refused_with_what_to_do():

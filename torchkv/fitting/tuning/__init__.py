@@ -28,6 +28,7 @@ from torchkv.pipeline.presets import spelling
 from torchkv.fitting.tuning.allocate import allocate
 from torchkv.fitting.tuning.candidates import CANDIDATE_BITS, Candidate, candidates, layer_candidates, tuned_chunk
 from torchkv.fitting.tuning.sensitivity import Sensitivity, measure
+from torchkv.fitting.tuning.unbiased import unbiased_values
 
 #: bits per value of an uncompressed (float16) cache: a budget above it is an error
 FULL_PRECISION = 16.0
@@ -38,7 +39,7 @@ SEQ_LEN = 2048
 
 __all__ = ["CANDIDATE_BITS", "SEQ_LEN", "Candidate", "Sensitivity", "candidates", "measure", "allocate", "tune", "tuned_pipeline",
            "tuned_for_model", "check_tunable", "check_budget", "reachable", "bits_range", "calibration_sensitivity",
-           "tuned_on_calibration_split", "stored_bits"]
+           "tuned_on_calibration_split", "stored_bits", "unbiased_values"]
 
 
 def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
@@ -52,11 +53,12 @@ def check_tunable(pipe: KVPipeline, model) -> KVPipeline:
     return pipe
 
 
-def reachable(pipe: KVPipeline, model) -> tuple[float, float]:
-    """Least and most stored bits per value (mean over layers, keys and values) the candidates reach on `model`."""
+def reachable(pipe: KVPipeline, model, also: Sequence[KVPipeline] = ()) -> tuple[float, float]:
+    """Least and most stored bits per value (mean over layers, keys and values) the candidates (of `pipe` and
+    `also`) reach on `model`."""
     config = model.config.get_text_config(decoder=True)
     return bits_range(layer_candidates(pipe, config.num_hidden_layers, config.num_key_value_heads,
-                                       config_head_dim(config)), full_layers(model))
+                                       config_head_dim(config), also), full_layers(model))
 
 
 def bits_range(options: list[dict[str, list[Candidate]]], full: Sequence[int] = ()) -> tuple[float, float]:
@@ -159,6 +161,7 @@ def tune(
     progress: bool = True,
     domain: str | None = None,
     per_head: bool = False,
+    also: Sequence[KVPipeline] = (),
 ) -> tuple[KVPipeline, dict[str, Any]]:
     """Tune `pipe` on `model` for a budget of stored bits per value (see the module docstring).
 
@@ -168,6 +171,10 @@ def tune(
         max_tokens: calibration tokens used at most; batch: windows per forward and backward pass.
         domain: what the texts are (a `torchkv.corpora` domain or your own label), kept as `tuned.tuned_on`.
         per_head: choose each KV head's widths, not each layer's (`tuned_pipeline`).
+        also: pipelines with the same window rules whose candidates each layer, side (and head) may take too, e.g.
+            `frontier-2bit:rotary_center=True` beside `frontier-2bit`: keys centred where that pays. They are
+            measured in the same passes (`measure`), and the choice is the one that tuning each alone on the same
+            windows and allocating over the union of their candidates would make.
 
     Returns:
         the tuned pipeline (marked as tuned for `model`, `KVPipeline.tuned_for`) and a report: the choice per
@@ -178,9 +185,10 @@ def tune(
     started = time.perf_counter()
     resettable = reset_peak()
     pipe = check_tunable(pipe, model)
-    check_budget(budget, *reachable(pipe, model))
+    also = [check_tunable(other, model) for other in also]
+    check_budget(budget, *reachable(pipe, model, also))
     ids = token_windows(tokenizer, texts, seq_len, max_tokens)
-    sensitivity = measure(pipe, model, ids, batch=batch, progress=progress)
+    sensitivity = measure(pipe, model, ids, batch=batch, progress=progress, also=also)
     tuned, report = tuned_for_model(sensitivity, model, budget, per_head)
     tuned.tuned_on = domain
     report.update(seconds=time.perf_counter() - started, domain=domain, peak_rss_mib=peak_rss() / 2**20,
@@ -196,7 +204,8 @@ def tuned_for_model(sensitivity: Sensitivity, model, budget: float, per_head: bo
     tuned, report = tuned_pipeline(sensitivity, budget, per_head, full_layers(model))
     tuned.tuned_for = fingerprint(model)
     report.update(
-        preset=spelling(sensitivity.pipeline), tokens=sensitivity.tokens, seq_len=sensitivity.seq_len,
+        preset=spelling(sensitivity.pipeline), also_presets=[spelling(p) for p in sensitivity.also],
+        tokens=sensitivity.tokens, seq_len=sensitivity.seq_len,
         measure_seconds=sensitivity.seconds,
         sensitivity=[{side: dict(zip((c.label for c in sensitivity.candidates[i][side]), costs))
                       for side, costs in layer.items()} for i, layer in enumerate(sensitivity.costs)],

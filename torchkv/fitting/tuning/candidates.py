@@ -3,8 +3,11 @@
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 
 from torchkv.pipeline import Chain, HeadGroups, KVPipeline
+from torchkv.pipeline.chain import chain_spec
+from torchkv.pipeline.presets import spelling
 from torchkv.transforms import Transform
 from torchkv.transforms.quantizers import higgs_dim
 
@@ -113,16 +116,53 @@ def candidates(pipe: KVPipeline, kv_heads: int, head_dim: int, widths=CANDIDATE_
     return out
 
 
-def layer_candidates(pipe: KVPipeline, layers: int, kv_heads: int, head_dim: int) -> list[dict[str, list[Candidate]]]:
+def layer_candidates(pipe: KVPipeline, layers: int, kv_heads: int, head_dim: int,
+                     also: Sequence[KVPipeline] = ()) -> list[dict[str, list[Candidate]]]:
     """`candidates` of each of a model's `layers` layers, measured once per distinct layer pipeline
-    (`pipe.for_layer`): a uniform preset measures its candidates once, not once per layer."""
-    measured: dict[int, dict[str, list[Candidate]]] = {}
+    (`pipe.for_layer`): a uniform preset measures its candidates once, not once per layer. With `also`, a layer's
+    candidates are those of `pipe` and of each pipeline in `also` (`check_joint`), whose labels are prefixed with its
+    spelling and "/" (`frontier-2bit:rotary_center=True/higgs2x4`); a chain that two offer is kept once, the first's."""
+    check_joint(pipe, also)
+    prefixes = ["", *(f"{spelling(other)}/" for other in also)]
+    measured: dict[tuple[int, ...], dict[str, list[Candidate]]] = {}
     out = []
-    for layer_pipe in map(pipe.for_layer, range(layers)):
-        if id(layer_pipe) not in measured:
-            measured[id(layer_pipe)] = candidates(layer_pipe, kv_heads, head_dim)
-        out.append(measured[id(layer_pipe)])
+    for layer in range(layers):
+        pipes = [p.for_layer(layer) for p in (pipe, *also)]
+        key = tuple(map(id, pipes))
+        if key not in measured:
+            measured[key] = _joint([candidates(p, kv_heads, head_dim) for p in pipes], prefixes)
+        out.append(measured[key])
     return out
+
+
+def _joint(offered: list[dict[str, list[Candidate]]], prefixes: list[str]) -> dict[str, list[Candidate]]:
+    """Each side's candidates of several pipelines, labels prefixed, each chain once, cheapest first."""
+    if len(offered) == 1:
+        return offered[0]
+    out: dict[str, list[Candidate]] = {"k": [], "v": []}
+    seen: set[tuple[str, str]] = set()
+    for options, prefix in zip(offered, prefixes):
+        for side, cands in options.items():
+            for c in cands:
+                chain = (side, chain_spec(Chain(list(c.transforms))))
+                if chain not in seen:
+                    seen.add(chain)
+                    out[side].append(dataclasses.replace(c, label=prefix + c.label))
+    return {side: sorted(cands, key=lambda c: c.bits) for side, cands in out.items()}
+
+
+def check_joint(pipe: KVPipeline, also: Sequence[KVPipeline]) -> None:
+    """Refuse pipelines whose candidates cannot be measured on the same windows as `pipe`'s: other window rules
+    (residual, sinks, chunk, window: the pairs a query reads encoded differ), or cross-layer prediction (a cost
+    depends on the carry of the pipeline's own chains)."""
+    for other in also:
+        if other.rules != pipe.rules:
+            raise ValueError(f"'{spelling(other)}' keeps other exact tokens than '{spelling(pipe)}' (residual, "
+                             f"sinks, chunk and window {other.rules} against {pipe.rules}): tune together presets "
+                             "that differ in their key and value chains only")
+        if pipe.carries or other.carries:
+            raise ValueError(f"'{spelling(pipe if pipe.carries else other)}' predicts across layers, so its costs "
+                             "depend on its own chains: tune it alone")
 
 
 def tuned_chunk(pipe: KVPipeline, chains: list[tuple[Transform, ...]]) -> int:

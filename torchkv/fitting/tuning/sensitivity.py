@@ -27,7 +27,7 @@ on mixed text lost at most +1.69% perplexity (prompt mode) and +1.82% (streaming
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -113,6 +113,7 @@ class Sensitivity:
             --per-head` allocates; empty where not measured (read back from a report). They drop the cross terms
             between heads that `costs` keeps.
         tokens: scored calibration tokens, in windows of `seq_len`; seconds: the measurement's duration.
+        also: pipelines whose candidates were measured too, on the same windows (`layer_candidates`).
     """
 
     pipeline: KVPipeline
@@ -122,6 +123,7 @@ class Sensitivity:
     seq_len: int
     seconds: float
     head_costs: list[dict[str, list[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    also: tuple[KVPipeline, ...] = ()
 
 
 def _flush_span(pipe: KVPipeline, tokens: int) -> tuple[int, int]:
@@ -263,25 +265,28 @@ def _sampled_gradients(model: nn.Module, ids: torch.Tensor, probes: dict[int, Pr
 
 
 def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int = 1, draws: int = DRAWS,
-            seed: int = 0, progress: bool = True) -> Sensitivity:
+            seed: int = 0, progress: bool = True, also: Sequence[KVPipeline] = ()) -> Sensitivity:
     """Estimate every candidate's cost (see the module docstring) on calibration token ids `[N, T]`.
 
     Args:
         pipe: the pipeline to tune, for `model` (`pipe.for_model(model)`), calibrated where it needs to be.
         batch: sequences per forward pass; draws: label draws (backward passes) per batch; seed: of the labels.
+        also: pipelines (for `model`) whose candidates are measured too, from the same gradients: the costs that
+            measuring each alone on these windows would give, for one forward and backward pass per window.
     """
     started = time.perf_counter()
     config = model.config.get_text_config(decoder=True)
     layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim = config_head_dim(config)
-    options = layer_candidates(pipe, layers, kv_heads, head_dim)
+    options = layer_candidates(pipe, layers, kv_heads, head_dim, also)
     trials = [_trials(pipe, i, options[i]) for i in range(layers)]
     costs = [{side: [0.0] * len(c) for side, c in o.items()} for o in options]
     head_costs = [{side: [torch.zeros(kv_heads) for _ in c] for side, c in o.items()} for o in options]
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     positions = torch.arange(ids.shape[1], device=device)[None]
-    ropes = [arch.rope_fn(model, i)(positions) if {"cos", "sin"} & pipe.requires else None for i in range(layers)]
+    requires = frozenset().union(*(p.layers_require for p in (pipe, *also)))  # what any candidate reads
+    ropes = [arch.rope_fn(model, i)(positions) if {"cos", "sin"} & requires else None for i in range(layers)]
     exposed = exposed_pairs(pipe, ids.shape[1])
     if not exposed.any():
         least = pipe.sinks + pipe.residual + pipe.chunk
@@ -300,11 +305,12 @@ def measure(pipe: KVPipeline, model: nn.Module, ids: torch.Tensor, *, batch: int
             if ropes[i] is not None:
                 cos, sin = ropes[i]
                 inputs.update(cos=cos.expand(window.shape[0], -1, -1), sin=sin.expand(window.shape[0], -1, -1))
-            if probe.x is not None and "x" in pipe.requires:
+            if probe.x is not None and "x" in requires:
                 inputs["x"] = probe.x
             inputs.update({f"previous.{s}": t for s, t in carry.items()})
             carry = _layer_costs(pipe, i, probe, trials[i], grads[i], ids.shape[1], inputs, costs[i], head_costs[i])
         tokens += window.numel()
     costs, head_costs = ([{side: [c / tokens for c in cs] for side, cs in layer.items()} for layer in table]
                          for table in (costs, head_costs))
-    return Sensitivity(pipe, options, costs, tokens, ids.shape[1], time.perf_counter() - started, head_costs)
+    return Sensitivity(pipe, options, costs, tokens, ids.shape[1], time.perf_counter() - started, head_costs,
+                       tuple(also))
