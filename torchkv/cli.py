@@ -187,6 +187,8 @@ def _tune(args) -> None:
     for name, row in zip((args.preset, *args.also), (pipe, *also)):
         if row is None:
             raise ValueError(f"{name!r} is a baseline; tune a torchkv preset or a saved pipeline folder")
+        if args.unbiased_values:
+            unbiased_values(row)  # values that cannot refit their scales are refused before the measurement
     texts = [text for _, text in split_articles("calibration", args.domain)]  # an unknown domain lists the others
     model, tokenizer = torchkv.load_model(args.model)
     tuned, report = tune(pipe, model, texts, budget=args.budget, tokenizer=tokenizer, seq_len=args.seq_len,

@@ -171,11 +171,12 @@ def test_tune_command_and_tuned_eval_rows_tune_save_and_load(tmp_path, capsys):
     again = reallocate(out, 2.125, {"k": 1, "v": 1})[1]  # the candidates of both presets, from the report's costs
     widths = [[(layer["keys"], layer["values"]) for layer in r["layers"]] for r in (again, report)]
     assert widths[0] == widths[1] and again["also_presets"] == report["also_presets"]
-    for also, error in (("dynamic", "'dynamic' is a baseline"),
-                        ("frontier-2bit:residual=64", "keeps other exact tokens than 'frontier-2bit'")):
+    for extra, error in ((["--also", "dynamic"], "'dynamic' is a baseline"),
+                         (["--also", "frontier-2bit:residual=64"], "keeps other exact tokens than 'frontier-2bit'"),
+                         (["--also", "kivi-2bit", "--unbiased-values"],
+                          "'kivi-2bit': its values cannot be read unbiased")):  # before the model loads
         with pytest.raises(SystemExit):
-            main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(tmp_path / "x"),
-                  "--also", also])
+            main(["tune", "--preset", "frontier-2bit", "--budget", "2.125", "--out", str(tmp_path / "x"), *extra])
         assert error in capsys.readouterr().err
     results = tmp_path / "eval.json"
     main(["eval", "--presets", "tuned:kivi-2bit@2.75", "--tune-tokens", "512", "--ppl-docs", "128:1",
