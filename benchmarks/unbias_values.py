@@ -12,22 +12,18 @@ the 2-bit ones by about an eighth).
 """
 
 import argparse
-import shutil
 from pathlib import Path
 
 from torchkv.fitting.tuning.unbiased import unbiased_values
 from torchkv.pipeline import KVPipeline
+from torchkv.pipeline.io import save_derived
 
 
 def unbias(src: Path, out: Path, max_bits: float | None = None) -> int:
     """Copy the folder `src` to `out` with its value quantizers of at most `max_bits` bits (all where None) set
     `unbiased` (`torchkv.fitting.tuning.unbiased_values`); the number of quantizers set."""
     pipe, count = unbiased_values(KVPipeline.from_pretrained(src), max_bits)
-    out.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():  # tune.json
-        if path.is_file() and path.name not in ("torchkv_config.json", "torchkv_params.safetensors"):
-            shutil.copy(path, out / path.name)
-    pipe.save_pretrained(out)
+    save_derived(pipe, src, out)
     return count
 
 

@@ -40,7 +40,7 @@ def test_suite_skips_what_does_not_fit_resumes_and_reports(calls, tmp_path, caps
         ("dynamic", "niah_single", 320, None), ("dynamic", "niah_single", TOO_LONG, REASON)]
     assert capsys.readouterr().out.count(REASON) == 1
     cell = cells[0]
-    assert cell["accuracy"] == 1  # full precision finds one needle in 320 tokens
+    assert cell["accuracy"] == 1 and cell["by_seed"] == [1]  # full precision finds one needle in 320 tokens
     assert cell["samples"] == 1 and cell["seconds"] > 0
     assert json.loads(out.read_text()) == results
     meta = results["meta"]
@@ -66,6 +66,7 @@ def test_needle_grid_puts_the_reference_first_is_scored_only_and_drawn(calls, tm
         ("kivi-2bit", 320, 0.5, False), ("kivi-2bit", TOO_LONG, 0.5, True)]
     run = [c for c in results["cells"] if "skipped" not in c]
     assert all(c["accuracy"] in (0, 1) and c["logprob"] < 0 and c["domain"] == "wiki" for c in run)
+    assert all(c["by_seed"] == [{"found": bool(c["accuracy"]), "logprob": c["logprob"]}] for c in run)
     paths = long_report.plots(results, tmp_path, "needle")
     assert [p.name for p in paths] == ["needle_accuracy.png", "needle_logprob.png"]
     assert all(p.stat().st_size > 0 for p in paths)

@@ -179,8 +179,9 @@ def run_suite(
 ) -> dict:
     """RULER-style tasks through every row's cache; returns (and writes to `out`) the results.
 
-    A cell is {preset, domain, task, length, accuracy, samples, seconds}: over seeds 0..samples-1, accuracy is the
-    mean recall of the answers in the greedy generation through the row's cache (`synthetic.score`).
+    A cell is {preset, domain, task, length, accuracy, by_seed, samples, seconds}: over seeds 0..samples-1, accuracy
+    is the mean recall of the answers in the greedy generation through the row's cache (`synthetic.score`), by_seed
+    each seed's recall (every row draws the same samples, so rows compare seed by seed).
     `model`/`tokenizer` reuse a loaded model of `model_name` instead of loading it; `tuned:ROW@BITS` rows are tuned
     on `tune_domain`'s calibration split.
     """
@@ -194,7 +195,8 @@ def run_suite(
                  for seed in range(samples)]
         parts = [(_ids(tokenizer, s.context), _ids(tokenizer, s.question), _ids(tokenizer, s.target)) for s in drawn]
         texts = generate(model, tokenizer, row, [c + q for c, q, _ in parts], MAX_NEW_TOKENS, until=["\n"])
-        return {"accuracy": sum(synthetic.score(s, text) for s, text in zip(drawn, texts)) / samples}
+        recalls = [synthetic.score(s, text) for s, text in zip(drawn, texts)]
+        return {"accuracy": sum(recalls) / samples, "by_seed": recalls}
 
     grid = [{"domain": d, "task": t, "length": int(n)}
             for d in _domains(domains) for t in dict.fromkeys(tasks) for n in sorted(set(lengths))]
@@ -210,8 +212,8 @@ def run_needle(
     """Needle-in-a-haystack through every row's cache, scored only; returns (and writes to `out`) the results.
 
     `depths` are fractions of the context, 0 (start) to 1 (end). A cell is {preset, domain, length, depth, accuracy,
-    logprob, samples, seconds}: accuracy is the fraction of samples whose answer greedy decoding would produce,
-    logprob the mean answer log-probability (nats). `tuned:ROW@BITS` rows are tuned on `tune_domain`.
+    logprob, by_seed, samples, seconds}: accuracy is the fraction of samples whose answer greedy decoding would
+    produce, logprob the mean answer log-probability (nats), by_seed each seed's {found, logprob}. `tuned:ROW@BITS` rows are tuned on `tune_domain`.
     """
     bad = [d for d in depths if not 0 <= d <= 1]
     if bad or not depths:
@@ -226,7 +228,8 @@ def run_needle(
                             continuation=_ids(tokenizer, s.target)) for s in drawn]
         scored = score(model, row, requests)
         return {"accuracy": sum(s.greedy for s in scored) / samples,
-                "logprob": sum(s.logprob for s in scored) / samples}
+                "logprob": sum(s.logprob for s in scored) / samples,
+                "by_seed": [{"found": s.greedy, "logprob": s.logprob} for s in scored]}
 
     grid = [{"domain": name, "length": int(n), "depth": float(d)}
             for name in _domains(domains) for n in sorted(set(lengths)) for d in sorted(set(depths))]

@@ -5,6 +5,7 @@ The functions take the pipeline class as an argument (`KVPipeline.from_pretraine
 imports nothing above it."""
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,17 @@ def save(pipe, path: str | Path) -> None:
         aliases = {k: name for k, name in aliases.items() if name != k}
         tensors = {k: v.contiguous().cpu() for k, v in params.items() if k not in aliases}
         save_file(tensors, str(path / PARAMS_FILE), metadata={"aliases": json.dumps(aliases)})
+
+
+def save_derived(pipe, src: str | Path, out: str | Path) -> None:
+    """`save` `pipe`, a pipeline derived from the folder `src`, to `out`, with `src`'s other files (its
+    `tune.json`), so that the copy reports its source's calibration domain and is refused on another model."""
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and path.name not in (CONFIG_FILE, PARAMS_FILE):
+            shutil.copy(path, out / path.name)
+    save(pipe, out)
 
 
 def load(cls: type, path: str | Path):
