@@ -9,9 +9,10 @@ full-attention layers (5, 11 and 17), so at 32K those layers' keys and values ar
 Widths are set as `torchkv tune` sets them (`candidates.rewidth`: a HIGGS grid of the largest dimension that has the
 width, packs re-derived). `--meta-dtype` sets the float type of every quantizer's scales (`scale_dtype`) or
 metadata (`meta_dtype`) in those layers; `--without NAME` drops the transforms of that name (`project.balance`:
-keys stored without the query balance, scored with plain queries) from their chains. Other layers, the window rules and the other files (`tune.json`) are kept,
-so the copy is refused on another model and reports its calibration domain like its source; `options` record what
-was overridden.
+keys stored without the query balance, scored with plain queries) from their chains. Other layers, the window rules
+and the other files (`tune.json`) are kept, so the copy is refused on another model and reports its calibration
+domain like its source; `options` record what was overridden. A calibrated folder (fitted parameters) is refused:
+its parameters are stored by chain position, which new chains would not keep.
 """
 
 import argparse
@@ -60,6 +61,9 @@ def override(pipe: KVPipeline, layers: list[int], key_bits: float | None = None,
     if outside or not layers:
         raise ValueError(f"layers {outside or layers} are not layers of the model '{pipe.name}' was tuned for "
                          f"({count} layers): give indices from 0")
+    if pipe.params():
+        raise ValueError(f"pipeline '{pipe.name}' has fitted parameters (calibrated), stored by chain position, "
+                         "which new chains would not keep: override a folder that was not calibrated")
     config = pipe.config()
     if any(isinstance(side, dict) for side in (config["keys"], config["values"])) or any(
             isinstance(side, dict) for layer in config["layers"].values() for side in layer.values()):

@@ -53,7 +53,8 @@ def test_only_the_chosen_layers_change_and_only_as_asked(layers, key_bits, value
 
 def test_the_folder_copy_loads_keeps_its_tuning_report_and_bad_requests_are_refused(tmp_path):
     """The written folder loads to the same chains and keeps `tune.json` (so it is refused on another model); layers
-    the model lacks, a per-head folder and a width the chain cannot take are refused with what to do."""
+    the model lacks, a per-head folder, a width the chain cannot take and a calibrated folder are refused with what
+    to do."""
     pipe = SCRIPT.override_folder(GEMMA, tmp_path / "out", [5, 11, 17], key_bits=4)
     copy = KVPipeline.from_pretrained(tmp_path / "out")
     assert [copy.for_layer(i).keys.spec() for i in range(18)] == [pipe.for_layer(i).keys.spec() for i in range(18)]
@@ -65,6 +66,9 @@ def test_the_folder_copy_loads_keeps_its_tuning_report_and_bad_requests_are_refu
         SCRIPT.override(per_head, [0], key_bits=4)
     with pytest.raises(ValueError, match="layer 5's values .* cannot be stored at 2.5 bits"):
         SCRIPT.override(SOURCE, [5], value_bits=2.5)
+    calibrated = KVPipeline.from_pretrained(ROOT / "benchmarks/results/domains/calibrated/aquakv-2bit_wiki")
+    with pytest.raises(ValueError, match="has fitted parameters"):
+        SCRIPT.override(calibrated, [0], key_bits=4)
 
 
 def test_without_drops_a_transform_from_the_chosen_layers_only():
