@@ -53,7 +53,7 @@ def override(pipe: KVPipeline, layers: list[int], key_bits: float | None = None,
              meta_dtype: str | None = None, without: str | None = None) -> KVPipeline:
     """A copy of `pipe` whose `layers` store keys at `key_bits` and values at `value_bits` bits (unchanged where
     None), their quantizers' metadata as `meta_dtype` (unchanged where None), without the transforms named
-    `without`; fitted parameters and the model and domain it was tuned for are `pipe`'s."""
+    `without`; the model and domain it was tuned for are `pipe`'s. A calibrated `pipe` is refused."""
     if key_bits is None and value_bits is None and meta_dtype is None and without is None:
         raise ValueError("nothing to override: give --key-bits, --value-bits, --meta-dtype or --without")
     count = (pipe.tuned_for or {}).get("layers")
@@ -80,8 +80,7 @@ def override(pipe: KVPipeline, layers: list[int], key_bits: float | None = None,
     config["options"] = {**config["options"], "overridden": {
         "layers": layers, **{k: v for k, v in (("key_bits", key_bits), ("value_bits", value_bits),
                                                ("meta_dtype", meta_dtype), ("without", without)) if v is not None}}}
-    out = KVPipeline.from_config(config)
-    out.load_params(pipe.params())
+    out = KVPipeline.from_config(config)  # no fitted parameters to carry: a calibrated pipe was refused above
     out.compile = pipe.compile
     return out
 

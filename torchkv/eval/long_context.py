@@ -213,7 +213,8 @@ def run_needle(
 
     `depths` are fractions of the context, 0 (start) to 1 (end). A cell is {preset, domain, length, depth, accuracy,
     logprob, by_seed, samples, seconds}: accuracy is the fraction of samples whose answer greedy decoding would
-    produce, logprob the mean answer log-probability (nats), by_seed each seed's {found, logprob}. `tuned:ROW@BITS` rows are tuned on `tune_domain`.
+    produce, logprob the mean answer log-probability (nats), by_seed each seed's {found, logprob}.
+    `tuned:ROW@BITS` rows are tuned on `tune_domain`.
     """
     bad = [d for d in depths if not 0 <= d <= 1]
     if bad or not depths:
