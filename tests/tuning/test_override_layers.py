@@ -82,3 +82,26 @@ def test_without_drops_a_transform_from_the_chosen_layers_only():
         assert pipe.for_layer(layer).values.spec() == SOURCE.for_layer(layer).values.spec()
     with pytest.raises(ValueError, match="layer 5 has no transform named 'rotate_keys' to drop"):
         SCRIPT.override(SOURCE, [5], without="rotate_keys")
+
+
+def test_a_side_taken_from_a_preset_replaces_that_side_in_the_chosen_layers_only():
+    """`--keys-from kivi-4bit`: the chosen layers' keys are KIVI's per-channel chain (their stored bits with it), the
+    values and the other layers unchanged; widths given too apply on top; a side that predicts or needs calibration,
+    and token groups that do not divide the folder's chunk, are refused."""
+    kivi = KVPipeline.from_preset("kivi-4bit")
+    pipe = SCRIPT.override(SOURCE, [5, 11], keys_from="kivi-4bit", value_bits=4)
+    assert pipe.options["overridden"] == {"layers": [5, 11], "value_bits": 4, "keys_from": "kivi-4bit"}
+    for layer in range(18):
+        new, old = pipe.for_layer(layer), SOURCE.for_layer(layer)
+        if layer in (5, 11):
+            assert new.keys.spec() == kivi.keys.spec()
+            assert new.bits_per_value(1, 256).keys == kivi.bits_per_value(1, 256).keys == 5.0
+            assert _quantizer(new.values).config.bits == 4 and _quantizer(new.values).name == "uniform"
+        else:
+            assert (new.keys.spec(), new.values.spec()) == (old.keys.spec(), old.values.spec())
+    values = SCRIPT.override(SOURCE, [17], values_from="kivi-4bit:group=128").for_layer(17).values
+    assert values.spec() == KVPipeline.from_preset("kivi-4bit:group=128").values.spec()
+    with pytest.raises(ValueError, match="groups of 128 tokens, which do not divide the folder's 32-token chunks"):
+        SCRIPT.override(SOURCE, [5], keys_from="kivi-4bit:group=128")
+    with pytest.raises(ValueError, match="predict, select or need calibration"):
+        SCRIPT.override(SOURCE, [5], keys_from="aquakv-2bit")
