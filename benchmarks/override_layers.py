@@ -11,10 +11,10 @@ width, packs re-derived). `--meta-dtype` sets the float type of every quantizer'
 metadata (`meta_dtype`) in those layers; `--without NAME` drops the transforms of that name (`project.balance`:
 keys stored without the query balance, scored with plain queries) from their chains. `--keys-from SPEC` and
 `--values-from SPEC` put a preset's chain for that side in those layers (another code family under the same window
-rules: KIVI's per-channel keys beside the folder's values), before any of the other changes. Other layers, the window rules
-and the other files (`tune.json`) are kept, so the copy is refused on another model and reports its calibration
-domain like its source; `options` record what was overridden. A calibrated folder (fitted parameters) is refused:
-its parameters are stored by chain position, which new chains would not keep.
+rules: KIVI's per-channel keys beside the folder's values), before any of the other changes. Other layers, the
+window rules and the other files (`tune.json`) are kept, so the copy is refused on another model and reports its
+calibration domain like its source; `options` record what was overridden. A calibrated folder (fitted parameters)
+is refused: its parameters are stored by chain position, which new chains would not keep.
 """
 
 import argparse
@@ -61,7 +61,8 @@ def preset_side(spec: str, side: str, chunk: int) -> Chain:
                          "that is one chain fitted per sequence (kivi-*, frontier-*)")
     if chunk % chain.token_multiple:
         raise ValueError(f"the {side} of '{spec}' quantize groups of {chain.token_multiple} tokens, which do not "
-                         f"divide the folder's {chunk}-token chunks: set the preset's group to a divisor of {chunk} (kivi-*: group=32)")
+                         f"divide the folder's {chunk}-token chunks: set the preset's group to a divisor of {chunk} "
+                         "(kivi-*: group=32)")
     return chain
 
 
