@@ -111,6 +111,14 @@ class Chain:
         """Some transform reads another layer's or the other chain's reconstruction (see `KVPipeline.carries`)."""
         return bool(CROSS_INPUTS & self.requires)
 
+    @property
+    def beyond_sequence(self) -> list:
+        """What keeps this chain from being fitted per sequence on any subset of a layer's KV heads: its transforms
+        fitted offline, rebuilt from the layer's input or selecting chunks, and "a predictor" where it predicts
+        across layers or sides. Empty for the frontier-* and kivi-* chains."""
+        held = [t for t in self.transforms if t.needs_fit or t.fits_weights or t.rematerializes or t.selects]
+        return held + ["a predictor"] * self.predicts
+
     def _ctx(self, i: int, dim: int, own: LayerState, valid: torch.Tensor | None = None) -> Context:
         upstream = {k: v for j in range(i) for k, v in substate(own.prepared, f"{j}.").items()}
         return Context(dim, substate(own.params, f"{i}."), substate(own.prepared, f"{i}."), valid, own.inputs,

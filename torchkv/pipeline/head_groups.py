@@ -32,9 +32,8 @@ class HeadGroups:
         if not groups or any(not heads for heads in self.heads) or sorted(order) != list(range(len(order))):
             raise ValueError(f"head groups {self.heads} must be non-empty and hold the KV heads 0..H-1 once each")
         for chain in self.chains:
-            refused = [t for t in chain.transforms if t.needs_fit or t.fits_weights or t.rematerializes or t.selects]
-            if refused or chain.predicts:
-                raise ValueError(f"a head group's chain {chain.transforms} cannot hold {refused or 'a predictor'}: "
+            if chain.beyond_sequence:
+                raise ValueError(f"a head group's chain {chain.transforms} cannot hold {chain.beyond_sequence}: "
                                  "parameters fitted offline, predictors across layers and chunk selection span all of "
                                  "a layer's KV heads; group chains fitted per sequence only (frontier-*, kivi-*)")
         self.num_heads = len(order)
