@@ -86,8 +86,8 @@ def test_without_drops_a_transform_from_the_chosen_layers_only():
 
 def test_a_side_taken_from_a_preset_replaces_that_side_in_the_chosen_layers_only():
     """`--keys-from kivi-4bit`: the chosen layers' keys are KIVI's per-channel chain (their stored bits with it), the
-    values and the other layers unchanged; widths given too apply on top; a side that predicts or needs calibration,
-    and token groups that do not divide the folder's chunk, are refused."""
+    values and the other layers unchanged; widths given too apply on top; a side that predicts, needs calibration or
+    is rebuilt from the layer's input, and token groups that do not divide the folder's chunk, are refused."""
     kivi = KVPipeline.from_preset("kivi-4bit")
     pipe = SCRIPT.override(SOURCE, [5, 11], keys_from="kivi-4bit", value_bits=4)
     assert pipe.options["overridden"] == {"layers": [5, 11], "value_bits": 4, "keys_from": "kivi-4bit"}
@@ -105,3 +105,5 @@ def test_a_side_taken_from_a_preset_replaces_that_side_in_the_chosen_layers_only
         SCRIPT.override(SOURCE, [5], keys_from="kivi-4bit:group=128")
     with pytest.raises(ValueError, match=r"hold \[.*a predictor.*take a side that is one chain fitted per sequence"):
         SCRIPT.override(SOURCE, [5], keys_from="aquakv-2bit")
+    with pytest.raises(ValueError, match=r"hold \[project\.weights.*take a side that is one chain fitted per sequence"):
+        SCRIPT.override(SOURCE, [5], values_from="xquant-2bit")
