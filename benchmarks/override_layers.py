@@ -56,9 +56,9 @@ def preset_side(spec: str, side: str, chunk: int) -> Chain:
     """The `side` ("keys" or "values") chain of the preset spelled `spec`, for a pipeline of `chunk`-token chunks;
     refused where it is not one chain fitted per sequence or its token group does not divide `chunk`."""
     chain = getattr(from_preset(spec), side)
-    if not isinstance(chain, Chain) or chain.beyond_sequence:
-        raise ValueError(f"the {side} of '{spec}' ({chain!r}) hold {getattr(chain, 'beyond_sequence', chain)}: "
-                         "take a side that is one chain fitted per sequence (kivi-*, frontier-*)")
+    if chain.beyond_sequence:
+        raise ValueError(f"the {side} of '{spec}' ({chain!r}) hold {chain.beyond_sequence}: take a side that is one "
+                         "chain fitted per sequence (kivi-*, frontier-*)")
     if chunk % chain.token_multiple:
         raise ValueError(f"the {side} of '{spec}' quantize groups of {chain.token_multiple} tokens, which do not "
                          f"divide the folder's {chunk}-token chunks: set the preset's group to a divisor of {chunk} "
