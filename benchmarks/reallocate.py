@@ -7,7 +7,7 @@ the measurement price keys against values as long contexts do?). A folder tuned 
 allocated per head again, from the per-head costs its `tune.json` keeps:
 
     python benchmarks/reallocate.py SRC_FOLDER OUT_FOLDER --budget 2.1 [--min-key-bits 2] [--min-value-bits 1]
-        [--key-weight 2] [--also OTHER_FOLDER ...] [--widths-of FOLDER]
+        [--key-weight 2] [--also OTHER_FOLDER ...] [--widths-of FOLDER] [--whole-widths]
 
 `--also` (repeatable) adds the candidates of a folder tuned from another preset on the same calibration windows
 (same model, domain, tokens and window length), so that each layer, side and head takes the best of the presets'
@@ -18,7 +18,8 @@ chains) must have equal costs, which checks it. A folder tuned with `--also` off
 
 `--widths-of` keeps each layer's and side's width as a per-layer folder chose it and allocates among the candidates of
 that width only (the presets' stored forms, and groups where a preset has them): which stored form pays at unchanged
-widths (an ablation; give the folder's budget).
+widths (an ablation; give the folder's budget). `--whole-widths` leaves out the half-bit key widths (2.5 and 3.5 bits)
+that `torchkv tune` has offered since stop 89, so that a folder tuned today can be set beside one tuned before.
 """
 
 import argparse
@@ -51,10 +52,12 @@ def measured_on(report: dict) -> dict:
 
 
 def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: float = 1.0,
-               also: tuple[Path, ...] = (), widths_of: Path | None = None) -> tuple[torchkv.KVPipeline, dict]:
+               also: tuple[Path, ...] = (), widths_of: Path | None = None, whole_widths: bool = False
+               ) -> tuple[torchkv.KVPipeline, dict]:
     """The tuned pipeline and report of `src`'s measured costs (and each `also` folder's, see the module docstring)
     allocated at `budget`, over candidates at least `min_bits[side]` wide (of the widths `widths_of` chose, where
-    given), the keys' costs multiplied by `key_weight` for the choice (the report's costs are the measured ones)."""
+    given; whole widths only with `whole_widths`), the keys' costs multiplied by `key_weight` for the choice (the
+    report's costs are the measured ones)."""
     if key_weight <= 0:
         raise ValueError(f"key_weight={key_weight:g}: weight the keys' costs by a positive factor")
     report = json.loads((src / "tune.json").read_text())
@@ -92,6 +95,8 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
                 for c in options[side]:
                     if c.width < min_bits[side] or c.label not in measured[side]:
                         continue
+                    if whole_widths and c.width != int(c.width):
+                        continue
                     item, cost = (side, chain_spec(Chain(list(c.transforms)))), measured[side][c.label]
                     if item in seen:  # measured by both: the same windows give the same cost, to float noise
                         first, first_cost = seen[item]
@@ -124,7 +129,8 @@ def reallocate(src: Path, budget: float, min_bits: dict[str, int], key_weight: f
         layer["k"] = {label: [cost / key_weight for cost in costs] for label, costs in layer["k"].items()}
     out.update(model=report["model"], domain=report["domain"], reallocated_from=str(src), min_bits=min_bits,
                also=[str(folder) for folder in also], widths_of=None if widths_of is None else str(widths_of),
-               key_weight=key_weight, predicted_kl=sum(layer["key_kl"] + layer["value_kl"] for layer in out["layers"]))
+               whole_widths=whole_widths, key_weight=key_weight,
+               predicted_kl=sum(layer["key_kl"] + layer["value_kl"] for layer in out["layers"]))
     return tuned, out
 
 
@@ -159,9 +165,10 @@ def main() -> None:
                         help="a folder tuned from another preset on the same windows: its candidates too (repeatable)")
     parser.add_argument("--widths-of", type=Path, help="a per-layer folder allocated from these folders: keep its "
                         "widths, choose only among candidates of each")
+    parser.add_argument("--whole-widths", action="store_true", help="leave out the half-bit key widths")
     args = parser.parse_args()
     tuned, report = reallocate(args.src, args.budget, {"k": args.min_key_bits, "v": args.min_value_bits},
-                               args.key_weight, tuple(args.also), args.widths_of)
+                               args.key_weight, tuple(args.also), args.widths_of, args.whole_widths)
     tuned.save_pretrained(args.out)
     (args.out / "tune.json").write_text(json.dumps(report, indent=2))
     print(f"{stored_bits(report)}, predicted KL {report['predicted_kl']:.4g}; wrote {args.out}")

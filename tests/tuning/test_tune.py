@@ -383,6 +383,36 @@ def test_reallocating_a_tuned_folder_reproduces_it_and_meets_a_lower_budget():
 
 
 @pytest.mark.model
+def test_reallocating_with_whole_widths_leaves_out_the_half_bit_keys():
+    """`benchmarks/reallocate.py --whole-widths` on a committed per-head folder tuned with half-bit key widths: none
+    of them is chosen again, the budget holds, the predicted KL is no lower (fewer candidates), and the choice is the
+    committed whole-width folder's; without it, the folder's own choice comes back."""
+    from pathlib import Path
+
+    from torchkv.testing import load_script
+
+    root = Path(__file__).resolve().parents[2]
+    module = load_script(root / "benchmarks/reallocate.py")
+    tuned = root / "benchmarks/results/domains/ablations/tuned"
+    src = tuned / "frontier-2bit@2.5_generated_per_head_far"
+    one = {"k": 1, "v": 1}
+    both = module.reallocate(src, 2.5, one)[1]
+    whole = module.reallocate(src, 2.5, one, whole_widths=True)[1]
+
+    def key_labels(report):
+        return {label for layer in report["layers"]
+                for label in (layer["keys"] if isinstance(layer["keys"], dict) else [layer["keys"]])}
+
+    assert both["layers"] == json.loads((src / "tune.json").read_text())["layers"]
+    assert {"higgs2.5x2", "higgs3.5x2"} & key_labels(both)
+    assert not {"higgs2.5x2", "higgs3.5x2"} & key_labels(whole)
+    assert whole["bits_per_value"] <= 2.5 and whole["whole_widths"]
+    assert whole["predicted_kl"] >= both["predicted_kl"] * (1 - 1e-9)
+    committed = json.loads((tuned / "frontier-2bit@2.5_generated_per_head_far_whole_widths/tune.json").read_text())
+    assert whole["layers"] == committed["layers"]
+
+
+@pytest.mark.model
 def test_reallocating_over_two_presets_measured_on_the_same_windows_takes_the_better_of_each(tmp_path):
     """`benchmarks/reallocate.py --also`: the committed per-head folders tuned with and without `rotary_center` on
     the same windows, merged, predict no more KL at the same budget than either alone (a superset of candidates),
@@ -509,3 +539,21 @@ def test_a_model_with_sliding_layers_is_tuned_within_the_budget_at_every_context
         held = [layer.store.length for layer in cache.layers]
         assert min(held[i] for i in full) > 2 * max(n for i, n in enumerate(held) if i not in full)
         assert cache.encoded_bits_per_value() <= 2.5 + 1e-9
+
+
+def test_sampled_calibration_windows_start_at_bos_and_repeat_with_their_seed():
+    """`benchmarks/generated_calibration.py`: the model's own windows are `[windows, seq_len]`, each started from the
+    BOS token with no end-of-text after it, and the same seed gives the same windows (another seed, others)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from torchkv.testing import load_script, tiny_model
+
+    root = Path(__file__).resolve().parents[2]
+    module = load_script(root / "benchmarks/generated_calibration.py")
+    model = tiny_model()
+    tokenizer = SimpleNamespace(bos_token_id=1, eos_token_id=2)
+    ids = module.sampled_windows(model, tokenizer, windows=5, seq_len=24, seed=0, batch=2)
+    assert ids.shape == (5, 24) and (ids[:, 0] == 1).all() and (ids[:, 1:] != 2).all()
+    assert torch.equal(ids, module.sampled_windows(model, tokenizer, windows=5, seq_len=24, seed=0, batch=2))
+    assert not torch.equal(ids, module.sampled_windows(model, tokenizer, windows=5, seq_len=24, seed=1, batch=2))
