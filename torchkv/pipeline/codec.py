@@ -89,39 +89,42 @@ class Codec:
         qg = q.reshape(b, h, hq // h, d).float()  # [B, H, g, D], the softmax scale already applied
         flat = {n: t.flatten(2, 3) for n, t in encoded.items()}
         carry: dict[str, torch.Tensor] = {}
+        p_enc, p_fp = attention_weights(self.encoded_scores(qg, encoded, flat, layer, carry), qg, k_fp, mask, softcap)
+        out = self.encoded_sum(p_enc, encoded, flat, d, layer, carry) + p_fp @ v_fp.float()
+        return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
+
+    def encoded_scores(self, qg, encoded, flat, layer: LayerState, carry: dict) -> torch.Tensor:
+        """Scores `[B, H, g, NC, C]` of the scaled queries `qg: [B, H, g, D]` against the encoded tokens (`encoded`
+        by chunk, `flat` the same flattened), each less half its noise variance where the key chain corrects
+        (`Transform.token_noise`). A cross-layer pipeline records its keys' reconstruction in `carry["k"]`."""
+        d = qg.shape[-1]
         # run eagerly (compile="auto" before it compiles), a chain whose stored form is one dequantization away from
         # the tokens is faster rebuilt for two matmuls than reduced over op by op (at 4K tokens, best of 5: kivi-2bit
         # 3.5 ms against 4.0 per layer, squat-2bit 2.2 against 3.5); a chain with transforms before its reader
         # (rotations) keeps mapping the query instead
-        compiling = torch.compiler.is_compiling()
-        if self.keys.scores_stored and not self.carries and (compiling or self.keys.reader > 0):
+        if self.keys.scores_stored and not self.carries and (torch.compiler.is_compiling() or self.keys.reader > 0):
             s_enc = self.keys.scores(qg, substate(encoded, "k."), d, side_of(layer, "k"))
         else:  # keys rebuilt: run eagerly, rematerialized (RoPE at each position) or predicted across layers
             k_enc = self.decode_side("k", self.keys, flat, d, layer, carry)  # [B, H, T, D]
             chunks = next(iter(substate(encoded, "k.").values())).shape[2]
             s_enc = (qg @ k_enc.transpose(-1, -2)).unflatten(-1, (chunks, -1))
         noise = self.keys.score_noise(qg, substate(encoded, "k."), d, side_of(layer, "k"))
-        if noise is not None:  # each encoded score less half its noise variance (`Transform.token_noise`)
+        if noise is not None:
             s_enc = s_enc - 0.5 * noise[0][..., None, None] * noise[1][:, :, None]
-        nc, c = s_enc.shape[-2:]
-        scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, -math.inf)
-        p = torch.softmax(scores, -1)
-        p_enc = p[..., : nc * c].unflatten(-1, (nc, c))  # [B, H, g, NC, C]
-        if self.values.sums_stored and (compiling or self.values.reader > 0):
+        return s_enc
+
+    def encoded_sum(self, p_enc, encoded, flat, head_dim: int, layer: LayerState, carry: dict) -> torch.Tensor:
+        """`Σ_t p_t v̂_t` `[B, H, g, head_dim]` over the encoded tokens for weights `p_enc: [B, H, g, NC, C]`, read
+        from the stored form where the value chain allows it, else from the values rebuilt (`encoded_scores` for the
+        arguments; a cross-layer pipeline records its values' reconstruction in `carry["v"]`)."""
+        if self.values.sums_stored and (torch.compiler.is_compiling() or self.values.reader > 0):
             own = side_of(layer, "v", side_inputs(layer.inputs, "v", carry.get("k")) if self.carries else None)
-            out = self.values.weighted_sum(p_enc, substate(encoded, "v."), d, own)
+            out = self.values.weighted_sum(p_enc, substate(encoded, "v."), head_dim, own)
             if self.carries:
-                carry["v"] = self.values.decode_to(substate(flat, "v."), d, own, self.values.carry_index)
-        else:
-            v_enc = self.decode_side("v", self.values, flat, d, layer, carry)
-            out = p_enc.flatten(-2) @ v_enc
-        p_fp = p[..., nc * c :]  # [B, H, g, F]
-        out = out + p_fp @ v_fp.float()
-        return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), carry
+                carry["v"] = self.values.decode_to(substate(flat, "v."), head_dim, own, self.values.carry_index)
+            return out
+        v_enc = self.decode_side("v", self.values, flat, head_dim, layer, carry)
+        return p_enc.flatten(-2) @ v_enc
 
     def history_noise(self, q: torch.Tensor, state: Mapping[str, torch.Tensor], head_dim: int, layer: LayerState
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -309,6 +312,20 @@ class Codec:
             self.compiled[name] = torch.compile(own_cache(fn), fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
         with recompile_headroom():
             return self.compiled[name](*args)
+
+
+def attention_weights(s_enc: torch.Tensor, qg: torch.Tensor, k_fp: torch.Tensor, mask, softcap):
+    """One softmax over the encoded tokens' scores `s_enc: [B, H, g, NC, C]` and the full-precision keys' `k_fp:
+    [B, H, F, D]` (softcapped and masked as `Codec.attend_decode` says): `(p_enc [B, H, g, NC, C], p_fp [B, H, g,
+    F])`."""
+    nc, c = s_enc.shape[-2:]
+    scores = torch.cat([s_enc.flatten(-2), qg @ k_fp.float().transpose(-1, -2)], -1)  # [B, H, g, N]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    p = torch.softmax(scores, -1)
+    return p[..., : nc * c].unflatten(-1, (nc, c)), p[..., nc * c :]
 
 
 def _fresh(params, prepared, inputs) -> LayerState:

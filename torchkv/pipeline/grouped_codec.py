@@ -7,7 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
-from torchkv.pipeline.codec import Codec
+from torchkv.ops import triton_decode
+from torchkv.pipeline.codec import Codec, attention_weights
 from torchkv.pipeline.head_groups import HeadGroups
 from torchkv.pipeline.state import LayerState, prefixed, substate
 
@@ -95,8 +96,28 @@ class GroupedCodec(Codec):
         return tuple(self._merge([p[side] for p in parts]) for side in (0, 1))
 
     def attend(self, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live=None):
-        """`Codec.attend` of each group over its KV heads and the query heads that read them, merged:
-        `(out [B, Hq, 1, D], fp_attention [F], {})`."""
+        """Decode attention as `Codec.attend`: `(out [B, Hq, 1, D], fp_attention [F], {})`. Each group scores its KV
+        heads' codes and sums its values with its own codec; one softmax over all heads' scores sits between them
+        (a softmax, the window's scores and its sums per group made the layer's graph call a kernel per group for
+        each). On CUDA, where a group has a Triton kernel, each group runs its own codec's attention instead."""
+        b, hq, _, d = q.shape
+        per = hq // self.num_heads
+        if triton_decode.runs_on(q.device) and any(c.kernel(d)[0] for c in self.groups):
+            return self.attend_by_group(q, encoded, k_fp, v_fp, mask, softcap, layer, live)
+        qg = q.reshape(b, self.num_heads, per, d).float()  # [B, H, g, D], the softmax scale already applied
+        mine = [self._own(encoded, i) for i in range(len(self.groups))]
+        flat = [{n: t.flatten(2, 3) for n, t in own.items()} for own in mine]
+        s_enc = self._merge([c.encoded_scores(self._heads(qg, i), mine[i], flat[i], self._layer(layer, i), {})
+                             for i, c in enumerate(self.groups)])
+        p_enc, p_fp = attention_weights(s_enc, qg, k_fp, mask, softcap)
+        out = self._merge([c.encoded_sum(self._heads(p_enc, i), mine[i], flat[i], d, self._layer(layer, i), {})
+                           for i, c in enumerate(self.groups)])
+        out = out + p_fp @ v_fp.float()
+        return out.reshape(b, hq, 1, d), p_fp.mean((0, 1, 2)), {}
+
+    def attend_by_group(self, q, encoded, k_fp, v_fp, mask, softcap, layer: LayerState, live=None):
+        """`Codec.attend` of each group (its Triton kernel, where it has one) over its KV heads and the query heads
+        that read them, merged."""
         per = q.shape[1] // self.num_heads
         outs, fp_attention = [], 0
         for i, c in enumerate(self.groups):
