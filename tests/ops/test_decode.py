@@ -11,7 +11,6 @@ from torchkv.ops.decode import (
     code_planes,
     grid_scores,
     grid_weighted_sum,
-    shared_weighted_sum,
 )
 from torchkv.pipeline import COMPILE_OPTIONS
 
@@ -65,8 +64,8 @@ def test_a_latent_shared_by_every_head_sums_as_its_reconstruction(bits, symmetri
     xhat = dequantize(codes, scale, zero, bits, -1, 32)
     planes = code_planes(_by_chunk(pack_bits(codes, bits), chunks), bits)
     p = torch.softmax(torch.randn(b, heads, g, chunks * chunk, generator=gen), -1)
-    out = shared_weighted_sum(p.unflatten(-1, (chunks, chunk)), planes, _by_chunk(scale, chunks),
-                              None if zero is None else _by_chunk(zero, chunks), bits, dim)
+    out = affine_weighted_sum(p.unflatten(-1, (chunks, chunk)), planes, _by_chunk(scale, chunks),
+                              None if zero is None else _by_chunk(zero, chunks), bits, "token", dim)
     torch.testing.assert_close(out, torch.einsum("bhgt,btd->bhgd", p, xhat[:, 0]), rtol=1e-4, atol=1e-5)
 
 

@@ -27,7 +27,6 @@ from torchkv.ops.decode import (
     code_planes,
     grid_scores,
     grid_weighted_sum,
-    shared_weighted_sum,
 )
 from torchkv.registry import register_transform
 from torchkv.transforms.base import LATER_OPTION, Context, Transform, TransformConfig
@@ -167,8 +166,6 @@ class UniformQuantize(Transform):
         """`Σ_t p_t x̂_t` read from planar-packed codes: p [B, H, g, NC, C] -> [B, H, g, F] float32."""
         cfg = self.config
         planes = code_planes(packed, cfg.bits)
-        if cfg.axis == "token" and packed.shape[1] == 1 < p.shape[1]:  # one latent row read by every KV head
-            return shared_weighted_sum(p, planes, state["scale"], state.get("zero"), cfg.bits, ctx.dim)
         return affine_weighted_sum(p, planes, state["scale"], state.get("zero"), cfg.bits, cfg.axis, ctx.dim)
 
 
