@@ -99,8 +99,9 @@ def affine_weighted_sum(
     Returns:
         [B, H, g, D] float32.
     """
-    if axis == "token":
-        return _token_weighted_sum(p, codes, scale, zero, bits, dim)
+    if axis == "token":  # a GEMM on CPU and for a shared latent; on a GPU a fused reduction over the packed codes
+        gemm = p.device.type == "cpu" or codes.shape[1] == 1 < p.shape[1]
+        return (token_weighted_gemm if gemm else token_weighted_reduction)(p, codes, scale, zero, bits, dim)
     b, h, nc, c, planes, width = codes.shape
     g = p.shape[2]
     zero = _zero_point(scale, zero, bits)
@@ -112,15 +113,15 @@ def affine_weighted_sum(
     return out + (zero[:, :, None] * pg.sum(-1)[..., None]).sum((3, 4))
 
 
-def _token_weighted_sum(
+def token_weighted_gemm(
     p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dim: int
 ) -> torch.Tensor:
     """`p · x̂` for codes with one step per token and group of channels: `Σ_t (p_t Δ_tk) c_t[k] + Σ_t p_t m_tk`,
     a matrix product per KV head and channel group over the unpacked codes, whose rows are the g query heads
     that read the head (every KV head's, where the codes are one row that all of them read: XQuant's value
-    latent). On CPU this runs as a GEMM, which reads each code once for all g rows; Inductor's reduction over the
-    codes times the weights unpacked them once per query head (AMD EPYC, AVX2, 3 KV heads at 8K tokens, 2-bit
-    codes: 4.2 ms against 6.1).
+    latent). On CPU (and for a shared latent on any device) this runs as a GEMM, which reads each code once for all
+    g rows; Inductor's fused reduction over the codes times the weights unpacks them once per query head (AMD EPYC,
+    AVX2, 3 KV heads at 8K tokens, 2-bit codes: 4.2 ms against 6.1).
 
     Args:
         p: [B, H, g, NC, C] float32. codes: [B, H or 1, NC, C, P, M] float32 (from `code_planes`).
@@ -137,6 +138,20 @@ def _token_weighted_sum(
     out = torch.einsum("bhrtk,bhtkj->bhrkj", weighted, c)
     offset = torch.einsum("bhrt,bhtk->bhrk", rows, _zero_point(scale, zero, bits).flatten(2, 3))
     return (out + offset[..., None]).flatten(-2).reshape(b, h, g, dim)
+
+
+def token_weighted_reduction(
+    p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dim: int
+) -> torch.Tensor:
+    """`token_weighted_gemm` for codes per KV head as one elementwise reduction, which Inductor fuses on a GPU so
+    that it reads the packed codes and writes no unpacked ones (same arguments)."""
+    planes, width = codes.shape[-2:]
+    group = dim // scale.shape[-1]
+    ps = p[..., None] * scale.float()[:, :, None]  # [B, H, g, NC, C, D/G]
+    pm = (p[..., None] * _zero_point(scale, zero, bits)[:, :, None]).sum((3, 4))  # [B, H, g, D/G]
+    per_channel = _planar(ps.repeat_interleave(group, -1), planes, width)  # [B, H, g, NC, C, P, M]
+    out = (codes[:, :, None] * per_channel).sum((3, 4))  # [B, H, g, P, M]
+    return out.flatten(-2)[..., :dim] + pm.repeat_interleave(group, -1)
 
 
 def grid_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
