@@ -17,9 +17,10 @@ from torchkv.ops.pack import unpack_planes
 
 
 def code_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Planar-packed `[..., M]` uint8 -> codes `[..., P, M]` float32 (P = 8/bits; 8-bit codes are unpacked)."""
-    planes = packed[..., None, :] if bits == 8 else unpack_planes(packed, bits)
-    return planes.float()
+    """Planar-packed `[..., M]` uint8 -> codes `[..., P, M]` float32 (P = 8/bits; 8-bit codes are unpacked).
+    Shifted as int32: Inductor's CPU code shifts uint8 lanes in part-filled vectors (AMD EPYC, AVX2, 2-bit codes
+    of 3 KV heads at 8K tokens: 1.9 ms against 1.4)."""
+    return (packed[..., None, :] if bits == 8 else unpack_planes(packed.int(), bits)).float()
 
 
 def _planar(x: torch.Tensor, planes: int, width: int) -> torch.Tensor:

@@ -69,8 +69,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The planes of planar-packed codes: [..., m] uint8 -> [..., 8/bits, m] uint8 (plane i, byte j
-    is code `i·m + j`; flattening the last two axes gives the codes in order)."""
+    """The planes of planar-packed codes: [..., m] uint8 (or its bytes widened to an integer type) -> [..., 8/bits,
+    m] of the same type (plane i, byte j is code `i·m + j`; flattening the last two axes gives the codes in
+    order)."""
     if bits not in PLANAR_BITS:
         raise ValueError(f"bits={bits} has no planar layout; planar widths: {PLANAR_BITS}")
     shifts = torch.arange(8 // bits, dtype=torch.uint8, device=packed.device) * bits
